@@ -1,0 +1,25 @@
+"""The one place that knows about torch versions and torch's private modules.
+
+Everything version-specific or private lives here, so a torch upgrade touches one file.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MIN_TORCH_VERSION = (2, 6)
+
+
+def _parse(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def check_torch_version(version: str = torch.__version__) -> None:
+    """Raise ``ImportError`` if the installed torch is older than minifabric supports."""
+    if _parse(version) < MIN_TORCH_VERSION:
+        wanted = ".".join(map(str, MIN_TORCH_VERSION))
+        raise ImportError(
+            f"minifabric needs torch>={wanted} (FSDP2 and DTensor), found torch=={version}."
+            f" Upgrade with: pip install 'torch>={wanted}'"
+        )

@@ -1,0 +1,450 @@
+"""The Accelerator: one object that owns a launcher, a precision plugin and a strategy.
+
+It validates input at the public call and delegates; behaviour that differs between strategies
+lives in the strategy, never here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning_fabric.utilities.seed import seed_everything as _seed_everything
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+
+from minifabric.data import distributed_dataloader
+from minifabric.precision import Precision, PrecisionStr
+from minifabric.resolve import AcceleratorStr, StrategyStr, apply_cli_settings, resolve
+from minifabric.strategies.meta_init import has_meta_parameters
+from minifabric.strategies.rebind import parameter_names, rebind_optimizer
+from minifabric.strategies.strategy import Strategy
+from minifabric.wrappers import _WrappedDataLoader, _WrappedModule, _WrappedOptimizer
+
+
+class Accelerator:
+    """Run a raw PyTorch training loop on one device, data-parallel, or fully sharded.
+
+    Args:
+        accelerator: ``"auto"`` (CUDA if available), ``"cpu"`` or ``"cuda"``.
+        strategy: ``"auto"`` (one device: ``"single"``, more: ``"ddp"``), ``"single"``, ``"ddp"``,
+            ``"fsdp"``, ``"fsdp_cpu_offload"``, or a :class:`~minifabric.strategies.Strategy` instance.
+        devices: processes per node: an int, ``"auto"``, or a list of CUDA device indices.
+        num_nodes: number of machines.
+        precision: ``"32-true"``, ``"64-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ``"16-mixed"``, ``"16-true"``.
+
+    Example:
+        >>> import torch
+        >>> from minifabric import Accelerator
+        >>> acc = Accelerator(accelerator="cpu", devices=1)
+        >>> acc.launch()
+        >>> model = torch.nn.Linear(4, 2)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> model, optimizer = acc.setup(model, optimizer)
+        >>> loss = model(torch.randn(8, 4, device=acc.device)).sum()
+        >>> acc.backward(loss)
+        >>> optimizer.step()
+    """
+
+    def __init__(
+        self,
+        accelerator: AcceleratorStr = "auto",
+        strategy: StrategyStr | Strategy = "auto",
+        devices: int | str | list[int] = "auto",
+        num_nodes: int = 1,
+        precision: PrecisionStr = "32-true",
+    ) -> None:
+        settings = apply_cli_settings(
+            {
+                "accelerator": accelerator,
+                "strategy": strategy,
+                "devices": devices,
+                "num_nodes": num_nodes,
+                "precision": precision,
+            }
+        )
+        parts = resolve(**settings)
+        self._strategy = parts.strategy
+        self._launched = False
+        self._setup_done = False
+        self._seed = 0
+        # (parameter ids before setup -> names, module) for optimizers set up after their module
+        self._setups: list[tuple[dict[int, str], nn.Module]] = []
+
+    # ---- properties --------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        """The device of this process."""
+        return self._strategy.root_device
+
+    @property
+    def global_rank(self) -> int:
+        """Rank of this process among all processes."""
+        return self._strategy.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        """Rank of this process on its node."""
+        return self._strategy.local_rank
+
+    @property
+    def node_rank(self) -> int:
+        """Rank of this process's node."""
+        return self._strategy.node_rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes."""
+        return self._strategy.world_size
+
+    @property
+    def is_global_zero(self) -> bool:
+        """Whether this is global rank 0."""
+        return self._strategy.is_global_zero
+
+    @property
+    def strategy(self) -> Strategy:
+        """The strategy in use."""
+        return self._strategy
+
+    @property
+    def precision(self) -> Precision:
+        """The precision plugin in use."""
+        return self._strategy.precision
+
+    # ---- launching ---------------------------------------------------------------------------
+
+    def launch(self, function: Callable[..., Any] | None = None, *args: Any) -> Any:
+        """Start the other processes (or join them) and set up the process group.
+
+        ``launch()`` re-runs the current script once per extra local process, the way torchrun does.
+        ``launch(fn, *args)`` instead spawns fresh processes that each call ``fn(acc, *args)`` and
+        returns rank 0's result; ``fn`` must be importable (defined at module level) and the script
+        needs an ``if __name__ == "__main__":`` guard. Under torchrun, SLURM, LSF or MPI the processes
+        exist already and ``launch`` only joins them.
+
+        Example:
+            >>> from minifabric import Accelerator
+            >>> Accelerator(accelerator="cpu").launch(lambda acc: acc.world_size)
+            1
+        """
+        if self._launched:
+            raise RuntimeError("`acc.launch()` was already called. Call it once, before `acc.setup(...)`.")
+        if function is not None and not callable(function):
+            raise TypeError(f"`acc.launch(function)` needs a callable, got {function!r}. Example: `acc.launch(train)`.")
+        target = _CallWithAccelerator(self, function) if function is not None else None
+        return self._strategy.launcher.launch(self._join, target, *args)
+
+    def _join(self) -> None:
+        self._strategy.setup_environment()
+        self._launched = True
+
+    def _ensure_launched(self) -> None:
+        if self._launched:
+            return
+        if self._strategy.launcher.creates_processes:
+            raise RuntimeError(
+                f"This run needs {self._strategy.num_processes} processes, but none were started. Call"
+                " `acc.launch()` right after creating the Accelerator (or start the script with"
+                f" `minifabric run --devices {self._strategy.num_processes} script.py`)."
+            )
+        self._join()
+
+    # ---- models ------------------------------------------------------------------------------
+
+    @contextmanager
+    def init_module(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Build a model inside this context: on the device, in the precision's dtype.
+
+        With ``empty_init=True`` parameters are created on the meta device (no memory, no init
+        cost); ``setup`` materializes them (under FSDP only each rank's shard) and initializes them
+        with each module's ``reset_parameters()`` or the root's ``init_weights()``, replaying the
+        RNG state seen here, so a seeded run gets the same weights whatever the world size.
+
+        Example:
+            >>> import torch
+            >>> from minifabric import Accelerator
+            >>> acc = Accelerator(accelerator="cpu")
+            >>> with acc.init_module(empty_init=True):
+            ...     model = torch.nn.Linear(4, 4)
+            >>> model.weight.is_meta
+            True
+            >>> model = acc.setup(model)
+            >>> model.weight.is_meta
+            False
+        """
+        if self._setup_done:
+            raise RuntimeError(
+                "`acc.init_module()` was entered after `acc.setup(...)`. Build every model first:"
+                " `with acc.init_module(): model = Model()`, then `acc.setup(model, optimizer)`."
+            )
+        self._ensure_launched()
+        with self._strategy.module_init_context(empty_init):
+            yield
+
+    @contextmanager
+    def init_tensor(self) -> Generator[None, None, None]:
+        """Tensors created inside land on ``acc.device`` in the precision's dtype."""
+        with self.precision.tensor_init_context(), self.device:
+            yield
+
+    def setup(self, module: nn.Module, *optimizers: Optimizer, scheduler: Any = None) -> Any:
+        """Set up a model and its optimizers; returns ``(model, *optimizers)`` (and the scheduler).
+
+        The model is moved to the device, converted to the precision and wrapped (DDP) or sharded
+        (FSDP). Optimizers built before ``setup`` (even over meta parameters) are rebound to the
+        new parameters. A scheduler passed here is pointed at the returned optimizer.
+
+        Example:
+            >>> import torch
+            >>> from minifabric import Accelerator
+            >>> acc = Accelerator(accelerator="cpu")
+            >>> model = torch.nn.Linear(2, 2)
+            >>> opt = torch.optim.AdamW(model.parameters())
+            >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10)
+            >>> model, opt, sched = acc.setup(model, opt, scheduler=sched)
+        """
+        model = self.setup_module(module)
+        if not optimizers:
+            if scheduler is not None:
+                raise ValueError("`scheduler=` needs an optimizer: `acc.setup(model, optimizer, scheduler=sched)`.")
+            return model
+        wrapped = self.setup_optimizers(*optimizers)
+        wrapped = list(wrapped) if isinstance(wrapped, (list, tuple)) else [wrapped]
+        if scheduler is not None:
+            scheduler.optimizer = wrapped[0]
+            return (model, *wrapped, scheduler)
+        return (model, *wrapped)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Set up only the model (see :meth:`setup`)."""
+        if isinstance(module, _WrappedModule) or getattr(module, "_minifabric_setup", False):
+            raise RuntimeError(
+                f"This {type(module.module if isinstance(module, _WrappedModule) else module).__name__} was"
+                " already set up. Call `acc.setup(model, ...)` once per model and keep using what it returned."
+            )
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"`acc.setup` needs a torch.nn.Module first, got {type(module).__name__}.")
+        self._ensure_launched()
+        names = parameter_names(module)
+        forward_module = self._strategy.setup_module(module)
+        module._minifabric_setup = True  # type: ignore[assignment]
+        self._setups.append((names, module))
+        self._setup_done = True
+        return _WrappedModule(forward_module, module, self._strategy)
+
+    def setup_optimizers(self, *optimizers: Optimizer) -> Any:
+        """Set up optimizers whose model was set up with :meth:`setup_module`; returns one or a tuple."""
+        if not optimizers:
+            raise ValueError("`acc.setup_optimizers()` needs at least one optimizer.")
+        wrapped = []
+        for optimizer in optimizers:
+            if isinstance(optimizer, _WrappedOptimizer):
+                raise RuntimeError(
+                    f"This {type(optimizer.optimizer).__name__} was already set up; keep using what"
+                    " `acc.setup` returned."
+                )
+            if not isinstance(optimizer, Optimizer):
+                raise TypeError(f"Expected a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+            names, module = self._owner(optimizer)
+            rebind_optimizer(optimizer, names, module)
+            wrapped.append(_WrappedOptimizer(self._strategy.setup_optimizer(optimizer), self._strategy))
+        return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
+
+    def _owner(self, optimizer: Optimizer) -> tuple[dict[int, str], nn.Module]:
+        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for names, module in reversed(self._setups):
+            current = {id(p) for p in module.parameters()}
+            if ids & names.keys() or ids & current:
+                return ({**names, **{id(p): n for n, p in module.named_parameters()}}, module)
+        if not self._setups:
+            raise RuntimeError("Set up the model first: `model, optimizer = acc.setup(model, optimizer)`.")
+        raise ValueError(
+            f"{type(optimizer).__name__} holds no parameter of any model set up with this Accelerator."
+            " Build it over the model's parameters: `torch.optim.AdamW(model.parameters())`."
+        )
+
+    def setup_dataloaders(
+        self, *dataloaders: DataLoader, use_distributed_sampler: bool = True, move_to_device: bool = True
+    ) -> Any:
+        """Give each rank its part of every epoch and move batches to ``acc.device``.
+
+        The returned loaders set the sampler's epoch on every new pass and can be saved in a
+        checkpoint to resume mid-epoch. Returns one loader or a tuple.
+        """
+        if not dataloaders:
+            raise ValueError("`acc.setup_dataloaders()` needs at least one DataLoader.")
+        self._ensure_launched()
+        out = []
+        for loader in dataloaders:
+            if not isinstance(loader, DataLoader):
+                raise TypeError(f"Expected a torch.utils.data.DataLoader, got {type(loader).__name__}.")
+            if use_distributed_sampler:
+                loader = distributed_dataloader(loader, self.world_size, self.global_rank, self._seed)
+            out.append(_WrappedDataLoader(loader, self.device if move_to_device else None))
+        return out[0] if len(out) == 1 else tuple(out)
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def backward(self, tensor: torch.Tensor, *args: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
+        """``tensor.backward()`` through the precision plugin (loss scaling for ``"16-mixed"``)."""
+        module = model.module if isinstance(model, _WrappedModule) else model
+        self._strategy.backward(tensor, module, *args, **kwargs)
+
+    def clip_gradients(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | None = None,
+        clip_val: float | None = None,
+        norm_type: float = 2.0,
+    ) -> torch.Tensor | None:
+        """Clip gradients by total norm (``max_norm``) or by value (``clip_val``); returns the total norm.
+
+        The norm is taken over all shards: the number a single process would compute.
+        """
+        if (max_norm is None) == (clip_val is None):
+            raise ValueError(
+                f"Pass exactly one of max_norm={max_norm!r} and clip_val={clip_val!r}, e.g."
+                " `acc.clip_gradients(model, optimizer, max_norm=1.0)`."
+            )
+        forward_module = module._forward_module if isinstance(module, _WrappedModule) else module
+        opt = optimizer.optimizer if isinstance(optimizer, _WrappedOptimizer) else optimizer
+        if max_norm is not None:
+            return self._strategy.clip_gradients_norm(forward_module, opt, max_norm, norm_type)
+        self._strategy.clip_gradients_value(forward_module, opt, clip_val)  # type: ignore[arg-type]
+        return None
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> Any:
+        """Context manager: no gradient communication inside (for gradient accumulation)."""
+        if not isinstance(module, _WrappedModule):
+            raise TypeError(
+                f"`no_backward_sync` needs the model returned by `acc.setup`, got {type(module).__name__}:"
+                " `model = acc.setup(model)` first."
+            )
+        return self._strategy.no_backward_sync(module._forward_module, enabled)
+
+    def autocast(self) -> Any:
+        """The precision's forward context, for work outside ``model.forward``."""
+        return self.precision.forward_context()
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike, state: dict[str, Any], *, asynchronous: bool = False) -> Any:
+        """Save ``state`` (modules, optimizers, stateful objects, tensors, plain values) to ``path``.
+
+        Call on every rank. Under FSDP this writes a sharded checkpoint folder by default. Until it
+        completes, ``path`` still holds the previous checkpoint. With ``asynchronous=True`` returns a
+        handle with ``.wait()`` and training may continue while the files are written.
+        """
+        _check_state(state)
+        return self._strategy.save_checkpoint(Path(path), _unwrap(state), asynchronous=asynchronous)
+
+    def load(self, path: str | os.PathLike, state: dict[str, Any] | None = None, strict: bool = True) -> dict[str, Any]:
+        """Restore ``state`` in place from the checkpoint at ``path``; return what ``state`` did not ask for.
+
+        Modules, optimizers and stateful objects are loaded in place; plain values are copied back into
+        ``state``. With ``state=None`` everything is returned.
+        """
+        if state is None:
+            state = {}
+        _check_state(state)
+        unwrapped = _unwrap(state)
+        remainder = self._strategy.load_checkpoint(Path(path), unwrapped, strict=strict)
+        for key, value in unwrapped.items():
+            if key in state and not _is_stateful(state[key]):
+                state[key] = value
+        return remainder
+
+    def load_raw(self, path: str | os.PathLike, obj: nn.Module | Optimizer, strict: bool = True) -> None:
+        """Load a plain ``torch.save(model.state_dict())`` file (or a consolidated checkpoint) into ``obj``."""
+        target = _unwrap({"obj": obj})["obj"]
+        if not isinstance(target, (nn.Module, Optimizer)):
+            raise TypeError(f"`load_raw` loads into a module or optimizer, got {type(obj).__name__}.")
+        self._strategy.load_raw(Path(path), target, strict=strict)
+
+    # ---- collectives and utilities -----------------------------------------------------------
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on global rank 0 only."""
+        if self.is_global_zero:
+            print(*args, **kwargs)
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here."""
+        self._strategy.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Send a picklable object from rank ``src`` to all ranks and return it."""
+        return self._strategy.broadcast(obj, src)
+
+    def all_gather(self, data: Any) -> Any:
+        """Gather tensors (or collections of them) from every rank, stacked on a new first dimension."""
+        return self._strategy.all_gather(data)
+
+    def all_reduce(self, data: Any, reduce_op: str = "mean") -> Any:
+        """Reduce tensors over all ranks (``"mean"``, ``"sum"``, ``"max"``, ``"min"``)."""
+        return self._strategy.all_reduce(data, reduce_op)
+
+    def seed_everything(self, seed: int, workers: bool = True) -> int:
+        """Seed python, numpy (if installed) and torch on this rank; also seeds data shuffling."""
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise TypeError(f"seed must be an int, got {seed!r}.")
+        self._seed = seed
+        return _seed_everything(seed, workers=workers, verbose=False)
+
+    @contextmanager
+    def rank_zero_first(self, local: bool = False) -> Generator[None, None, None]:
+        """Rank 0 (of the node if ``local``) runs the body first, then the others."""
+        rank = self.local_rank if local else self.global_rank
+        if rank > 0:
+            self.barrier()
+        yield
+        if rank == 0:
+            self.barrier()
+
+
+class _CallWithAccelerator:
+    """A picklable ``fn(acc, *args)`` for spawned processes."""
+
+    def __init__(self, accelerator: Accelerator, function: Callable[..., Any]) -> None:
+        self.accelerator = accelerator
+        self.function = function
+
+    def __call__(self, *args: Any) -> Any:
+        return self.function(self.accelerator, *args)
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _unwrap(state: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, _WrappedModule):
+            value = value.module
+        elif isinstance(value, _WrappedOptimizer):
+            value = value.optimizer
+        out[key] = value
+    return out
+
+
+def _check_state(state: Any) -> None:
+    if not isinstance(state, dict):
+        raise TypeError(
+            f"state must be a dict of names to objects, got {type(state).__name__}. Example:"
+            ' `acc.save(path, {"model": model, "optimizer": optimizer, "step": step})`.'
+        )
+    for key in state:
+        if not isinstance(key, str):
+            raise TypeError(f"state keys must be strings, got {key!r}.")
+    for key, value in state.items():
+        if isinstance(value, nn.Module) and has_meta_parameters(value):
+            raise RuntimeError(f"state[{key!r}] still has meta parameters: call `acc.setup(model)` before saving it.")

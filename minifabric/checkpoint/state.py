@@ -1,0 +1,127 @@
+"""Turning a user's ``state`` dict into something to save, and restoring it in place.
+
+``state`` maps names to modules, optimizers, objects with ``state_dict()/load_state_dict()``,
+tensors and plain values. These helpers are shared by every checkpoint format.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+if TYPE_CHECKING:
+    from minifabric.strategies.strategy import Strategy
+
+
+def is_stateful(obj: Any) -> bool:
+    """Whether ``obj`` has ``state_dict()`` and ``load_state_dict()``."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def collect(strategy: Strategy, state: dict[str, Any]) -> dict[str, Any]:
+    """The saveable form of ``state``: state dicts for stateful objects, values as they are."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, nn.Module):
+            out[key] = strategy.module_state_dict(value)
+        elif isinstance(value, Optimizer):
+            out[key] = strategy.optimizer_state_dict(value)
+        elif is_stateful(value):
+            out[key] = value.state_dict()
+        else:
+            out[key] = value
+    return out
+
+
+def _hint(key: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(key, candidates, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def key_problems(name: str, expected: dict[str, Any], found: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """Missing and unexpected keys of module ``name``'s state dict, with close-match hints."""
+    missing = [f"{name}.{k}{_hint(k, list(found))}" for k in expected if k not in found]
+    unexpected = [f"{name}.{k}{_hint(k, list(expected))}" for k in found if k not in expected]
+    return missing, unexpected
+
+
+def shape_problems(name: str, expected: dict[str, Any], found: dict[str, Any]) -> list[str]:
+    """Tensors of module ``name`` whose shapes differ between the model and the checkpoint."""
+    problems = []
+    for key, value in expected.items():
+        other = found.get(key)
+        if isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor) and value.shape != other.shape:
+            problems.append(f"{name}.{key}: checkpoint {tuple(other.shape)}, model {tuple(value.shape)}")
+    return problems
+
+
+def validate(
+    state: dict[str, Any],
+    expected_modules: dict[str, dict[str, Any]],
+    loaded: dict[str, Any],
+    strict: bool,
+) -> list[str]:
+    """Check the checkpoint against what ``state`` asks for before anything is changed.
+
+    ``expected_modules`` maps each module entry of ``state`` to its current state dict (shapes are
+    the full, unsharded ones). Returns the keys tolerated under ``strict=False``.
+
+    Raises:
+        CheckpointError: missing entries or keys (strict), or any shape mismatch.
+    """
+    from minifabric.checkpoint.errors import CheckpointError
+
+    missing = [f"{k}{_hint(k, list(loaded))}" for k in state if k not in loaded]
+    unexpected_keys: list[str] = []
+    shapes: list[str] = []
+    for name, expected in expected_modules.items():
+        if name not in loaded:
+            continue
+        m, u = key_problems(name, expected, loaded[name])
+        missing += m
+        unexpected_keys += u
+        shapes += shape_problems(name, expected, loaded[name])
+    problems = []
+    if strict and missing:
+        problems.append("missing from the checkpoint: " + ", ".join(missing))
+    if strict and unexpected_keys:
+        problems.append("in the checkpoint but not in the model: " + ", ".join(unexpected_keys))
+    if shapes:
+        problems.append("shape mismatch: " + "; ".join(shapes))
+    if problems:
+        fix = " Pass `strict=False` to load the matching keys only." if not shapes else ""
+        raise CheckpointError("The checkpoint does not match `state`: " + " | ".join(problems) + "." + fix)
+    return missing + unexpected_keys
+
+
+def kinds(state: dict[str, Any]) -> dict[str, str]:
+    """What each entry is: ``"module"``, ``"optimizer"``, ``"stateful"`` or ``"value"``."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, nn.Module):
+            out[key] = "module"
+        elif isinstance(value, Optimizer):
+            out[key] = "optimizer"
+        else:
+            out[key] = "stateful" if is_stateful(value) else "value"
+    return out
+
+
+def restore(strategy: Strategy, state: dict[str, Any], loaded: dict[str, Any], strict: bool) -> dict[str, Any]:
+    """Load ``loaded`` into ``state`` in place; return the entries ``state`` did not ask for."""
+    for key, value in state.items():
+        if key not in loaded:
+            continue
+        if isinstance(value, nn.Module):
+            strategy.load_module_state_dict(value, loaded[key], strict=strict)
+        elif isinstance(value, Optimizer):
+            strategy.load_optimizer_state_dict(value, loaded[key])
+        elif is_stateful(value):
+            value.load_state_dict(loaded[key])
+        else:
+            state[key] = loaded[key]
+    return {k: v for k, v in loaded.items() if k not in state}

@@ -1,0 +1,73 @@
+"""Collectives over the default process group; each is the identity with one process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Return rank ``src``'s picklable object on every rank."""
+    if _world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _as_tensor(data: Any, device: torch.device) -> torch.Tensor:
+    return data if isinstance(data, torch.Tensor) else torch.tensor(data, device=device)
+
+
+def all_reduce(data: Any, reduce_op: str, device: torch.device) -> Any:
+    """Reduce every tensor (or number) in ``data`` over all ranks: ``"mean"``, ``"sum"``, ``"max"``, ``"min"``."""
+    if reduce_op not in _REDUCE_OPS:
+        raise ValueError(f"Unknown reduce_op={reduce_op!r}. Choose one of {', '.join(map(repr, _REDUCE_OPS))}.")
+    world = _world_size()
+
+    def reduce(value: Any) -> Any:
+        if not isinstance(value, (torch.Tensor, int, float)):
+            return value
+        tensor = _as_tensor(value, device).clone()
+        if world > 1:
+            dist.all_reduce(tensor, op=_REDUCE_OPS[reduce_op])
+        if reduce_op == "mean":
+            tensor = tensor / world if tensor.is_floating_point() else tensor.double() / world
+        return tensor
+
+    return tree_map(reduce, data)
+
+
+def all_gather(data: Any, device: torch.device) -> Any:
+    """Gather every tensor in ``data`` from all ranks, stacked along a new first dimension."""
+    world = _world_size()
+
+    def gather(value: Any) -> Any:
+        if not isinstance(value, (torch.Tensor, int, float)):
+            return value
+        tensor = _as_tensor(value, device).contiguous()
+        if world == 1:
+            return tensor.unsqueeze(0)
+        shape = torch.tensor(tensor.shape, dtype=torch.long, device=device)
+        shapes = [torch.empty_like(shape) for _ in range(world)]
+        if shape.numel():
+            dist.all_gather(shapes, shape)
+        if any(not torch.equal(s, shape) for s in shapes):
+            raise ValueError(
+                f"all_gather needs the same shape on every rank, got {[tuple(s.tolist()) for s in shapes]}."
+                " Pad the tensors to one shape first (and gather the true lengths separately)."
+            )
+        out = [torch.empty_like(tensor) for _ in range(world)]
+        dist.all_gather(out, tensor)
+        return torch.stack(out)
+
+    return tree_map(gather, data)

@@ -1,0 +1,125 @@
+"""Data parallel: every rank holds the whole model; gradients are averaged in backward."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Any, ContextManager
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from minifabric.environment import DEFAULT_TIMEOUT
+from minifabric.strategies.strategy import Strategy
+
+
+class DDPStrategy(Strategy):
+    """Distributed data parallel over torch's ``DistributedDataParallel``.
+
+    Args:
+        comm_hook: a DDP communication hook, e.g.
+            ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook``
+            or ``powerSGD_hook.powerSGD_hook``.
+        comm_state: the hook's state (``PowerSGDState``, ``PostLocalSGDState``, ...).
+        comm_wrapper: wraps the hook, e.g. ``default_hooks.bf16_compress_wrapper``.
+        model_averaging_period: with a ``PostLocalSGDState`` and ``post_localSGD_hook``, average the
+            parameters across ranks every this many optimizer steps (post-local SGD).
+        zero_redundancy: shard optimizer state across ranks with ``ZeroRedundancyOptimizer`` (ZeRO-1).
+        timeout: collective timeout. process_group_backend: override gloo/nccl.
+        **ddp_kwargs: passed to ``DistributedDataParallel`` (``static_graph``,
+            ``gradient_as_bucket_view``, ``find_unused_parameters``, ``bucket_cap_mb``, ...).
+
+    Example:
+        >>> from minifabric import Accelerator, DDPStrategy
+        >>> acc = Accelerator(strategy=DDPStrategy(static_graph=True, zero_redundancy=True))
+    """
+
+    def __init__(
+        self,
+        *,
+        comm_hook: Callable | None = None,
+        comm_state: Any = None,
+        comm_wrapper: Callable | None = None,
+        model_averaging_period: int | None = None,
+        zero_redundancy: bool = False,
+        timeout: timedelta | float = DEFAULT_TIMEOUT,
+        process_group_backend: str | None = None,
+        **ddp_kwargs: Any,
+    ) -> None:
+        super().__init__(timeout=timeout, process_group_backend=process_group_backend)
+        if comm_hook is None and (comm_state is not None or comm_wrapper is not None):
+            raise ValueError(
+                "DDPStrategy got `comm_state`/`comm_wrapper` without `comm_hook`. Pass the hook too, e.g."
+                " `DDPStrategy(comm_hook=powerSGD_hook.powerSGD_hook, comm_state=PowerSGDState(None))`."
+            )
+        if model_averaging_period is not None:
+            from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
+
+            if not isinstance(comm_state, PostLocalSGDState):
+                raise ValueError(
+                    f"model_averaging_period={model_averaging_period!r} is for post-local SGD and needs"
+                    " `comm_state=PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=N)`"
+                    " with `comm_hook=post_localSGD_hook.post_localSGD_hook`."
+                )
+            if model_averaging_period < 1:
+                raise ValueError(f"model_averaging_period must be >= 1, got {model_averaging_period!r}.")
+        self.comm_hook = comm_hook
+        self.comm_state = comm_state
+        self.comm_wrapper = comm_wrapper
+        self.model_averaging_period = model_averaging_period
+        self.zero_redundancy = zero_redundancy
+        self.ddp_kwargs = ddp_kwargs
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        module = super().setup_module(module)
+        if self.world_size == 1:
+            return module
+        device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
+        ddp = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        if self.comm_hook is not None:
+            hook = self.comm_wrapper(self.comm_hook) if self.comm_wrapper is not None else self.comm_hook
+            ddp.register_comm_hook(state=self.comm_state, hook=hook)
+        return ddp
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        if self.zero_redundancy and self.world_size > 1:
+            optimizer = _zero_redundancy(optimizer)
+        if self.model_averaging_period is not None:
+            from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+            from torch.distributed.optim import PostLocalSGDOptimizer
+
+            averager = PeriodicModelAverager(
+                period=self.model_averaging_period, warmup_steps=self.comm_state.start_localSGD_iter
+            )
+            optimizer = PostLocalSGDOptimizer(optimizer, averager)
+        return optimizer
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
+        if enabled and isinstance(module, DistributedDataParallel):
+            return module.no_sync()
+        return nullcontext()
+
+    def optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self.zero_redundancy and self.world_size > 1:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            if not isinstance(optimizer, ZeroRedundancyOptimizer):
+                return optimizer.state_dict()
+            optimizer.consolidate_state_dict(to=0)  # collective: every rank sends its shard
+            return optimizer.state_dict() if self.is_global_zero else {}
+        return optimizer.state_dict()
+
+
+def _zero_redundancy(optimizer: Optimizer) -> Optimizer:
+    """Rebuild ``optimizer`` as a ZeRO-1 optimizer with the same class, groups and hyper-parameters."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    groups = [dict(group) for group in optimizer.param_groups]
+    first = groups[0]
+    params = first.pop("params")
+    zero = ZeroRedundancyOptimizer(params, optimizer_class=type(optimizer), **{**optimizer.defaults, **first})
+    for group in groups[1:]:
+        zero.add_param_group(group)
+    return zero

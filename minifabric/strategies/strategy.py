@@ -1,0 +1,259 @@
+"""The strategy seam: how a model is placed, wrapped and kept in sync across processes.
+
+A strategy owns the world (ranks, device, process group), wraps modules and optimizers, runs
+backward through the precision plugin, and reads and writes checkpoints. Subclasses override only
+what differs; the :class:`~minifabric.Accelerator` facade never branches on the strategy type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
+from datetime import timedelta
+from typing import Any, ContextManager
+
+import torch
+import torch.distributed as dist
+from lightning_fabric.plugins.environments import ClusterEnvironment, LightningEnvironment
+from torch import nn
+from torch.optim import Optimizer
+
+from minifabric import collectives
+from minifabric.environment import DEFAULT_TIMEOUT, default_backend, destroy_process_group, init_process_group
+from minifabric.launcher import JoinLauncher, Launcher, LocalLauncher, install_rank_excepthook, watch_parent
+from minifabric.precision import Precision
+from minifabric.strategies.meta_init import materialize, meta_init_context
+
+
+class Strategy:
+    """Base strategy: one process, one device, no wrapping.
+
+    Args:
+        timeout: how long a collective may wait before it fails (``timedelta`` or seconds).
+        process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: nccl on CUDA, gloo on CPU.
+    """
+
+    def __init__(
+        self,
+        *,
+        timeout: timedelta | float = DEFAULT_TIMEOUT,
+        process_group_backend: str | None = None,
+    ) -> None:
+        self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+        self.process_group_backend = process_group_backend
+        self.precision: Precision = Precision()
+        self.environment: ClusterEnvironment = LightningEnvironment()
+        self.root_device = torch.device("cpu")
+        self.num_nodes = 1
+        self.num_processes = 1  # on this node
+
+    # ---- the world ---------------------------------------------------------------------------
+
+    def connect(
+        self,
+        *,
+        environment: ClusterEnvironment,
+        device: torch.device,
+        num_processes: int,
+        num_nodes: int,
+        precision: Precision,
+    ) -> None:
+        """Receive the resolved environment, device and precision (called once by the Accelerator)."""
+        self.environment = environment
+        self.root_device = device
+        self.num_processes = num_processes
+        self.num_nodes = num_nodes
+        self.precision = precision
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes in the run."""
+        return self.environment.world_size()
+
+    @property
+    def global_rank(self) -> int:
+        """Rank of this process in the run."""
+        return self.environment.global_rank()
+
+    @property
+    def local_rank(self) -> int:
+        """Rank of this process on its node."""
+        return self.environment.local_rank()
+
+    @property
+    def node_rank(self) -> int:
+        """Rank of this process's node."""
+        return self.environment.node_rank()
+
+    @property
+    def is_global_zero(self) -> bool:
+        """Whether this process is global rank 0."""
+        return self.global_rank == 0
+
+    @property
+    def launcher(self) -> Launcher:
+        """Starts the other local processes when nothing else did."""
+        if self.num_processes > 1 and not self.environment.creates_processes_externally:
+            return LocalLauncher(self.num_processes, self.environment.main_address)
+        return JoinLauncher()
+
+    def setup_environment(self) -> None:
+        """Join the process group (if there is more than one process) and select the device."""
+        if isinstance(self.environment, LightningEnvironment):
+            self.environment.set_world_size(self.num_nodes * self.num_processes)
+            self.environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        if self.root_device.type == "cuda":
+            torch.cuda.set_device(self.root_device)
+        if self.world_size > 1:
+            install_rank_excepthook(self.global_rank)
+            watch_parent()
+            backend = self.process_group_backend or default_backend(self.root_device)
+            init_process_group(self.environment, backend, self.timeout)
+
+    def teardown(self) -> None:
+        """Leave the process group."""
+        destroy_process_group()
+
+    # ---- modules and optimizers --------------------------------------------------------------
+
+    def module_init_context(self, empty_init: bool | None = None) -> ContextManager:
+        """Where and in which dtype ``init_module`` creates a model."""
+        return _module_init_context(self, bool(empty_init))
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Materialize, convert precision and move to device; return the module forward should call.
+
+        ``module`` itself is changed in place (its parameters keep their names); the returned module
+        may wrap it.
+        """
+        materialize(module, self.root_device)
+        module = self.precision.convert_module(module)
+        return module.to(self.root_device)
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Return the optimizer to step (e.g. a sharded replacement)."""
+        return optimizer
+
+    def forward_context(self) -> ContextManager:
+        """The context the wrapped module's forward runs in."""
+        return self.precision.forward_context()
+
+    def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """Run backward through the precision plugin."""
+        self.precision.pre_backward(tensor).backward(*args, **kwargs)
+
+    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        """Step through the precision plugin (gradient scaler)."""
+        return self.precision.optimizer_step(optimizer, **kwargs)
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
+        """Skip gradient synchronization inside the context (no-op with one process)."""
+        return nullcontext()
+
+    def clip_gradients_norm(
+        self, module: nn.Module, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """Clip gradients by their total norm (across all shards) and return that norm."""
+        self.precision.unscale_gradients(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float) -> None:
+        """Clamp every gradient element to ``[-clip_val, clip_val]``."""
+        self.precision.unscale_gradients(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        torch.nn.utils.clip_grad_value_(params, clip_val)
+
+    # ---- collectives -------------------------------------------------------------------------
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+        if dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Return ``src``'s object on every rank."""
+        return collectives.broadcast_object(obj, src)
+
+    def all_gather(self, data: Any) -> Any:
+        """Stack every rank's tensors along a new first dimension."""
+        return collectives.all_gather(data, self.root_device)
+
+    def all_reduce(self, data: Any, reduce_op: str = "mean") -> Any:
+        """Reduce tensors (or numbers) over all ranks."""
+        return collectives.all_reduce(data, reduce_op, self.root_device)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """The state dict of ``module`` as this strategy stores it."""
+        return module.state_dict()
+
+    def optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The state dict of ``optimizer`` as this strategy stores it (collective for sharded ones)."""
+        return optimizer.state_dict()
+
+    def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """Load a full state dict into ``module``."""
+        module.load_state_dict(state_dict, strict=strict)
+
+    def load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+        """Load a full optimizer state dict into ``optimizer``."""
+        optimizer.load_state_dict(state_dict)
+
+    def save_checkpoint(self, path: Any, state: dict[str, Any], *, asynchronous: bool = False) -> Any:
+        """Write ``state`` to ``path`` (one file written by rank 0)."""
+        from minifabric.checkpoint import full
+
+        return full.save(self, path, state, asynchronous=asynchronous)
+
+    def load_checkpoint(self, path: Any, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
+        """Restore ``state`` in place from ``path``; return the entries ``state`` did not ask for."""
+        from minifabric.checkpoint import full
+
+        return full.load(self, path, state, strict=strict)
+
+    def load_raw(self, path: Any, obj: nn.Module | Optimizer, strict: bool = True) -> None:
+        """Load a plain state-dict file (e.g. a consolidated checkpoint) into ``obj``."""
+        from minifabric.checkpoint import full
+
+        full.load_raw(self, path, obj, strict=strict)
+
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        """Shard ``module`` now (FSDP); other strategies return it unchanged."""
+        return module
+
+
+_ACTIVE_INIT: ContextVar[Strategy | None] = ContextVar("minifabric_active_init", default=None)
+
+
+@contextmanager
+def _module_init_context(strategy: Strategy, empty_init: bool) -> Generator[None, None, None]:
+    device = torch.device("cpu") if empty_init else strategy.root_device
+    token = _ACTIVE_INIT.set(strategy)
+    try:
+        with strategy.precision.tensor_init_context(), device:
+            if empty_init:
+                with meta_init_context(strategy.precision.param_dtype):
+                    yield
+            else:
+                yield
+    finally:
+        _ACTIVE_INIT.reset(token)
+
+
+def wrap(module: nn.Module) -> nn.Module:
+    """Shard ``module`` with the FSDP settings of the enclosing ``acc.init_module()``; return it.
+
+    Outside ``init_module``, or under any strategy other than FSDP, this returns ``module``
+    unchanged, so the same model code runs everywhere.
+
+    Example:
+        >>> import torch
+        >>> from minifabric import wrap
+        >>> layer = wrap(torch.nn.Linear(4, 4))  # no-op outside acc.init_module()
+    """
+    strategy = _ACTIVE_INIT.get()
+    return strategy.wrap(module) if strategy is not None else module
