@@ -6,6 +6,7 @@ Everything version-specific or private lives here, so a torch upgrade touches on
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 MIN_TORCH_VERSION = (2, 6)
 
@@ -23,3 +24,14 @@ def check_torch_version(version: str = torch.__version__) -> None:
             f"minifabric needs torch>={wanted} (FSDP2 and DTensor), found torch=={version}."
             f" Upgrade with: pip install 'torch>={wanted}'"
         )
+
+
+def checkpoint_activations(module: nn.Module) -> None:
+    """Recompute ``module``'s activations in backward instead of storing them.
+
+    Uses torch's composable ``checkpoint``, which works through forward hooks and so keeps the
+    module's class and parameter names (optimizer rebinding and checkpoints match by name).
+    """
+    from torch.distributed._composable.checkpoint_activation import checkpoint
+
+    checkpoint(module)

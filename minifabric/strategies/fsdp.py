@@ -1,15 +1,265 @@
-"""Fully sharded data parallel on FSDP2 (placeholder until the FSDP strategy lands)."""
+"""Fully sharded data parallel on FSDP2: each rank holds 1/N of parameters, gradients and optimizer state.
+
+The wiring is done by plain functions (:mod:`~minifabric.strategies.fsdp_wrap` for the mesh and
+``fully_shard``, :mod:`~minifabric.strategies.fsdp_init` for sharded meta-device init,
+:mod:`~minifabric.strategies.fsdp_grads` for clipping); this class only chooses and orders them.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import warnings
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any, ContextManager, Literal, get_args
 
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from torch.optim import Optimizer
+
+from minifabric.environment import DEFAULT_TIMEOUT, default_backend, init_process_group
+from minifabric.strategies.fsdp_grads import clip_grad_norm_
+from minifabric.strategies.fsdp_init import materialize_sharded
+from minifabric.strategies.fsdp_wrap import (
+    ShardingStr,
+    WrapPolicy,
+    apply_activation_checkpointing,
+    build_mesh,
+    inner_policy,
+    mixed_precision_policy,
+    offload_policy,
+    select_blocks,
+    shard_model,
+    shard_module,
+    sharded_submodules,
+)
+from minifabric.strategies.meta_init import check_initializable, has_meta_parameters, init_rng_state
 from minifabric.strategies.strategy import Strategy
+
+StateDictStr = Literal["sharded", "full"]
+SHARDING_STRATEGIES: tuple[str, ...] = get_args(ShardingStr)
+STATE_DICT_TYPES: tuple[str, ...] = get_args(StateDictStr)
 
 
 class FSDPStrategy(Strategy):
-    """Fully sharded data parallel (FSDP2)."""
+    """Fully sharded data parallel on PyTorch FSDP2 (``fully_shard``, DTensor, DeviceMesh).
 
-    def __init__(self, *, cpu_offload: bool = False, **kwargs: Any) -> None:
-        super().__init__()
+    ``setup`` shards each repeated block of the model, then the root. A model built in
+    ``acc.init_module(empty_init=True)`` is materialized after sharding, so no rank ever holds the
+    full model; its initial weights equal single-process init with the same seed.
+
+    Args:
+        auto_wrap_policy: which submodules become their own sharding unit. ``None``: every child
+            class that repeats under one parent (e.g. the transformer blocks); a set of module
+            classes; or a callable ``(module, name) -> bool``.
+        activation_checkpointing_policy: module classes whose activations are recomputed in backward.
+        sharding_strategy: ``"FULL_SHARD"`` (default), ``"SHARD_GRAD_OP"`` (parameters stay gathered
+            from forward to backward), ``"NO_SHARD"`` (replicated, like DDP) or ``"HYBRID_SHARD"``
+            (replicated across nodes, sharded within each node).
+        cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory and step
+            the optimizer there. On a CPU-only run this changes nothing: everything is in CPU memory.
+        state_dict_type: how checkpoints are written: ``"sharded"`` (each rank writes its shard) or
+            ``"full"`` (one file from rank 0).
+        mixed_precision: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` that replaces the one
+            derived from the Accelerator's ``precision``; its ``output_dtype`` applies to the root only.
+        timeout: collective timeout (``timedelta`` or seconds).
+        process_group_backend: override the backend (default: nccl on CUDA, gloo on CPU).
+
+    Example:
+        >>> from minifabric import Accelerator, FSDPStrategy
+        >>> strategy = FSDPStrategy(sharding_strategy="SHARD_GRAD_OP", state_dict_type="full")
+        >>> acc = Accelerator(accelerator="cpu", strategy=strategy, devices=2)
+    """
+
+    def __init__(
+        self,
+        *,
+        auto_wrap_policy: WrapPolicy = None,
+        activation_checkpointing_policy: set[type[nn.Module]] | None = None,
+        sharding_strategy: ShardingStr = "FULL_SHARD",
+        cpu_offload: bool = False,
+        state_dict_type: StateDictStr = "sharded",
+        mixed_precision: MixedPrecisionPolicy | None = None,
+        timeout: timedelta | float = DEFAULT_TIMEOUT,
+        process_group_backend: str | None = None,
+    ) -> None:
+        super().__init__(timeout=timeout, process_group_backend=process_group_backend)
+        _check_options(
+            auto_wrap_policy,
+            activation_checkpointing_policy,
+            sharding_strategy,
+            cpu_offload,
+            state_dict_type,
+            mixed_precision,
+        )
+        self.auto_wrap_policy = auto_wrap_policy
+        self.activation_checkpointing_policy = set(activation_checkpointing_policy or ())
+        self.sharding_strategy = sharding_strategy
         self.cpu_offload = cpu_offload
+        self.state_dict_type = state_dict_type
+        self.mixed_precision = mixed_precision
+        self._mesh: DeviceMesh | None = None
+
+    # ---- the world ---------------------------------------------------------------------------
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # fully_shard needs a process group even when there is only one process.
+        if not dist.is_initialized():
+            backend = self.process_group_backend or default_backend(self.root_device)
+            init_process_group(self.environment, backend, self.timeout)
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The device mesh parameters are sharded over (built on first use, after ``launch``)."""
+        if self._mesh is None:
+            if not dist.is_initialized():
+                raise RuntimeError(
+                    "The FSDP device mesh needs the process group. Call `acc.launch()` before"
+                    " `acc.init_module()` or `acc.setup(model)`."
+                )
+            self._mesh = build_mesh(
+                self.sharding_strategy, self.root_device.type, self.num_nodes, self.num_processes
+            )
+        return self._mesh
+
+    # ---- sharding ----------------------------------------------------------------------------
+
+    @property
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        """The root's mixed precision policy: ``mixed_precision`` if given, else from ``precision``."""
+        return self.mixed_precision or mixed_precision_policy(self.precision)
+
+    @property
+    def _offload(self) -> OffloadPolicy:
+        return offload_policy(self.cpu_offload, self.root_device.type)
+
+    @property
+    def _reshard_after_forward(self) -> bool:
+        return self.sharding_strategy != "SHARD_GRAD_OP"
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        """Shard ``module`` now as its own unit (manual wrapping inside ``acc.init_module()``)."""
+        if isinstance(module, FSDPModule):
+            return module
+        apply_activation_checkpointing(module, self.activation_checkpointing_policy)
+        return shard_module(
+            module,
+            self.mesh,
+            reshard_after_forward=self._reshard_after_forward,
+            mp_policy=inner_policy(self.mp_policy),
+            offload=self._offload,
+        )
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Shard ``module`` in place (blocks, then root) and materialize it if it was built on meta."""
+        on_meta = has_meta_parameters(module)
+        if on_meta:
+            check_initializable(module)  # fail before any collective
+        rng_state = init_rng_state(module)
+        module = self.precision.convert_module(module)
+        apply_activation_checkpointing(module, self.activation_checkpointing_policy)
+        if not isinstance(module, FSDPModule):
+            shard_model(
+                module,
+                self._blocks(module),
+                self.mesh,
+                reshard_after_forward=self._reshard_after_forward,
+                mp_policy=self.mp_policy,
+                offload=self._offload,
+            )
+        if on_meta:
+            materialize_sharded(module, self.root_device, rng_state)
+        return module
+
+    def _blocks(self, module: nn.Module) -> list[nn.Module]:
+        if not sharded_submodules(module):
+            return select_blocks(module, self.auto_wrap_policy)
+        if self.auto_wrap_policy is not None:
+            warnings.warn(
+                f"{type(module).__name__} already has sharded submodules (from `wrap` or `fully_shard`),"
+                " so `auto_wrap_policy` is ignored and only the root is sharded. Drop one of the two:"
+                " `FSDPStrategy()` with manual wrapping, or the policy without it.",
+                stacklevel=3,
+            )
+        return []
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def forward_context(self) -> ContextManager:
+        # With a casting policy FSDP2 already runs forward in the low-precision dtype; autocast on
+        # top would only add casts.
+        if self.mp_policy.param_dtype is not None:
+            return nullcontext()
+        return self.precision.forward_context()
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
+        """Inside, gradients accumulate unreduced (FSDP2's ``set_requires_gradient_sync(False)``)."""
+        if not enabled or not isinstance(module, FSDPModule):
+            return nullcontext()
+        return _without_gradient_sync(module)
+
+    def clip_gradients_norm(
+        self, module: nn.Module, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """Clip by the norm over all shards; returns it as a plain tensor (the single-process number)."""
+        self.precision.unscale_gradients(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return clip_grad_norm_(params, max_norm, norm_type)
+
+
+@contextmanager
+def _without_gradient_sync(module: FSDPModule) -> Generator[None, None, None]:
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def _check_options(
+    auto_wrap_policy: Any,
+    activation_checkpointing_policy: Any,
+    sharding_strategy: Any,
+    cpu_offload: Any,
+    state_dict_type: Any,
+    mixed_precision: Any,
+) -> None:
+    """Raise ``ValueError``/``TypeError`` naming the first bad option and showing a valid one."""
+    if sharding_strategy not in SHARDING_STRATEGIES:
+        raise ValueError(
+            f"Unknown sharding_strategy={sharding_strategy!r}. Choose one of"
+            f" {', '.join(map(repr, SHARDING_STRATEGIES))}, e.g. `FSDPStrategy(sharding_strategy=\"FULL_SHARD\")`."
+        )
+    if state_dict_type not in STATE_DICT_TYPES:
+        raise ValueError(
+            f"Unknown state_dict_type={state_dict_type!r}. Choose \"sharded\" or \"full\", e.g."
+            ' `FSDPStrategy(state_dict_type="full")`.'
+        )
+    if not isinstance(cpu_offload, bool):
+        raise TypeError(f"cpu_offload must be True or False, got {cpu_offload!r}: `FSDPStrategy(cpu_offload=True)`.")
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
+        raise TypeError(
+            f"mixed_precision must be a torch.distributed.fsdp.MixedPrecisionPolicy, got {mixed_precision!r}:"
+            " `FSDPStrategy(mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16))`, or set"
+            ' `Accelerator(precision="bf16-mixed")`.'
+        )
+    if auto_wrap_policy is not None and not callable(auto_wrap_policy) and not _is_class_set(auto_wrap_policy):
+        raise TypeError(
+            f"auto_wrap_policy must be None, a set of nn.Module classes or a callable (module, name) -> bool,"
+            f" got {auto_wrap_policy!r}, e.g. `FSDPStrategy(auto_wrap_policy={{Block}})`."
+        )
+    if activation_checkpointing_policy is not None and not _is_class_set(activation_checkpointing_policy):
+        raise TypeError(
+            "activation_checkpointing_policy must be a set of nn.Module classes, got"
+            f" {activation_checkpointing_policy!r}, e.g. `FSDPStrategy(activation_checkpointing_policy={{Block}})`."
+        )
+
+
+def _is_class_set(value: Any) -> bool:
+    return isinstance(value, (set, frozenset)) and all(
+        isinstance(cls, type) and issubclass(cls, nn.Module) for cls in value
+    )

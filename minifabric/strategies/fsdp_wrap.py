@@ -1,0 +1,229 @@
+"""Applying FSDP2 to a model: plain functions over a module and a device mesh.
+
+The FSDP strategy calls these in order: :func:`build_mesh`, :func:`select_blocks`,
+:func:`apply_activation_checkpointing`, :func:`shard_model`. Each one is usable on its own, e.g. in
+a hand-written FSDP2 loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any, Literal, Union
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from minifabric._torch import checkpoint_activations
+from minifabric.precision import Precision
+from minifabric.strategies.meta_init import tied_parameters
+
+log = logging.getLogger(__name__)
+_CHECKPOINTED = "_minifabric_checkpointed"
+
+ShardingStr = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
+#: ``None`` (find repeated blocks), a set of module classes, or ``(module, name) -> bool``.
+WrapPolicy = Union[None, set[type[nn.Module]], Callable[[nn.Module, str], bool]]
+
+
+def build_mesh(
+    sharding_strategy: ShardingStr, device_type: str, num_nodes: int, num_processes: int
+) -> DeviceMesh:
+    """The device mesh ``fully_shard`` shards over.
+
+    A 1-D mesh over all ranks for ``FULL_SHARD``/``SHARD_GRAD_OP``. FSDP2 expresses the others as a
+    2-D mesh ``(replicate, shard)``: parameters are replicated along the first dimension and sharded
+    along the second. ``HYBRID_SHARD`` replicates across nodes and shards within a node;
+    ``NO_SHARD`` replicates across every rank (a shard dimension of size 1).
+    """
+    world_size = num_nodes * num_processes
+    if sharding_strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+    shape = (num_nodes, num_processes) if sharding_strategy == "HYBRID_SHARD" else (world_size, 1)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+
+
+def mixed_precision_policy(precision: Precision) -> MixedPrecisionPolicy:
+    """FSDP2's policy for a precision plugin (for the root module; see :func:`inner_policy`).
+
+    Mixed precision keeps float32 sharded (master) parameters, gathers them in the compute dtype and
+    reduces gradients in float32. The root casts its output back to float32. "*-true" precisions
+    store the parameters in their dtype already, so FSDP has nothing to cast.
+    """
+    if not precision.is_mixed:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(
+        param_dtype=precision.compute_dtype, reduce_dtype=torch.float32, output_dtype=torch.float32
+    )
+
+
+def inner_policy(policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
+    """The policy for non-root modules: no ``output_dtype``.
+
+    Casting every block's output back to float32 would feed float32 activations into the next
+    block's low-precision matmuls (a dtype mismatch); only the root's output is cast.
+    """
+    return dataclasses.replace(policy, output_dtype=None)
+
+
+def offload_policy(cpu_offload: bool, device_type: str) -> OffloadPolicy:
+    """FSDP2's offload policy.
+
+    With ``cpu_offload`` the sharded parameters, gradients and optimizer state live in CPU memory
+    and the optimizer steps on the CPU; parameters are copied to the device for forward/backward.
+    On a CPU-only run everything is in CPU memory already, so offloading changes nothing (and
+    pinned memory needs an accelerator, hence ``pin_memory=False`` there).
+    """
+    if not cpu_offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=device_type != "cpu")
+
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def repeated_block_classes(module: nn.Module) -> set[type[nn.Module]]:
+    """Classes that occur several times in one container (e.g. the blocks in a ``ModuleList``).
+
+    Searches top-down and does not look inside a block once its class is chosen, so the linear
+    layers inside a transformer block are not chosen as well. Only children of containers count:
+    two embeddings that sit side by side as attributes are not "repeated blocks". Classes without
+    parameters (activations, dropout) never count.
+    """
+    found: set[type[nn.Module]] = set()
+
+    def visit(parent: nn.Module) -> None:
+        children = [c for c in parent.children() if any(True for _ in c.parameters())]
+        if isinstance(parent, _CONTAINERS):
+            counts = Counter(type(c) for c in children)
+            found.update(cls for cls, n in counts.items() if n > 1)
+        for child in children:
+            if type(child) not in found:
+                visit(child)
+
+    visit(module)
+    return found
+
+
+def _splits_tied(block: nn.Module, groups: list[list[tuple[nn.Module, str]]]) -> bool:
+    """Whether ``block`` holds a parameter that is shared with a module outside it."""
+    inside = set(map(id, block.modules()))
+    return any(
+        any(id(m) in inside for m, _ in group) and not all(id(m) in inside for m, _ in group) for group in groups
+    )
+
+
+def select_blocks(module: nn.Module, policy: WrapPolicy) -> list[nn.Module]:
+    """The submodules to shard as their own units, children before parents (never the root).
+
+    A module that shares a parameter with a module outside it (a tied embedding) cannot be its
+    own unit: the automatic choice skips it, an explicit policy raises.
+
+    Raises:
+        ValueError: an explicit ``policy`` matched no submodule, or matched a tied one.
+    """
+    if policy is None:
+        classes = tuple(repeated_block_classes(module))
+        names = sorted(cls.__name__ for cls in classes)
+        log.info("FSDP auto-wrap: sharding each %s as its own unit", ", ".join(names) or "(no repeated block)")
+        matches: Callable[[nn.Module, str], bool] = lambda m, _: bool(classes) and isinstance(m, classes)  # noqa: E731
+    elif isinstance(policy, (set, frozenset)):
+        matches = lambda m, _: isinstance(m, tuple(policy))  # noqa: E731
+    else:
+        matches = policy
+    groups = tied_parameters(module)
+    chosen = []
+    for name, sub in module.named_modules():
+        if not name or not matches(sub, name):
+            continue
+        if _splits_tied(sub, groups):
+            if policy is None:
+                continue
+            raise ValueError(
+                f"auto_wrap_policy={_describe(policy)} selects {name!r} ({type(sub).__name__}), which shares a"
+                " parameter with a module outside it (tied weights). Tied modules must stay in one unit:"
+                " leave them to the root, e.g. `FSDPStrategy(auto_wrap_policy={Block})`."
+            )
+        chosen.append(sub)
+    if policy is not None and not chosen:
+        raise ValueError(
+            f"auto_wrap_policy={_describe(policy)} matched no submodule of {type(module).__name__}. Pass the"
+            " classes of its repeated blocks, e.g. `FSDPStrategy(auto_wrap_policy={Block})`, or leave it"
+            " out to find them automatically."
+        )
+    # named_modules() lists parents before children; sharding must go bottom-up.
+    return chosen[::-1]
+
+
+def _describe(policy: Any) -> str:
+    if isinstance(policy, (set, frozenset)):
+        return "{" + ", ".join(sorted(cls.__name__ for cls in policy)) + "}"
+    return repr(policy)
+
+
+def apply_activation_checkpointing(module: nn.Module, classes: Iterable[type[nn.Module]]) -> int:
+    """Recompute the activations of every submodule of one of ``classes`` in backward.
+
+    Returns how many submodules were checkpointed. Apply before sharding, as torchtitan does.
+    """
+    classes = tuple(classes)
+    targets = [
+        sub
+        for sub in module.modules()
+        if classes and isinstance(sub, classes) and not getattr(sub, _CHECKPOINTED, False)
+    ]
+    for sub in targets:
+        checkpoint_activations(sub)
+        setattr(sub, _CHECKPOINTED, True)  # `wrap` may have done it already; twice is an error
+    return len(targets)
+
+
+def sharded_submodules(module: nn.Module) -> list[nn.Module]:
+    """Submodules (not the root) that are already sharded, e.g. by :func:`minifabric.wrap`."""
+    return [sub for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule)]
+
+
+def shard_module(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    reshard_after_forward: bool,
+    mp_policy: MixedPrecisionPolicy,
+    offload: OffloadPolicy,
+) -> nn.Module:
+    """``fully_shard`` one module in place and return it."""
+    fully_shard(
+        module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, offload_policy=offload
+    )
+    return module
+
+
+def shard_model(
+    module: nn.Module,
+    blocks: list[nn.Module],
+    mesh: DeviceMesh,
+    *,
+    reshard_after_forward: bool,
+    mp_policy: MixedPrecisionPolicy,
+    offload: OffloadPolicy,
+) -> nn.Module:
+    """Shard each of ``blocks`` (children first), then the root, which takes the remaining parameters.
+
+    Each block's parameters are gathered just before its forward and freed after it, so the peak
+    holds one block unsharded. ``mp_policy`` is the root's; blocks get :func:`inner_policy`.
+    """
+    for block in blocks:
+        shard_module(
+            block,
+            mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=inner_policy(mp_policy),
+            offload=offload,
+        )
+    # FSDP2 never reshards the root after forward (backward would gather it again at once).
+    shard_module(module, mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, offload=offload)
+    return module
