@@ -36,4 +36,23 @@ def distributed_dataloader(dataloader: DataLoader, num_replicas: int, rank: int,
     loader = _update_dataloader(dataloader, sampler)
     if loader.generator is None:
         loader.generator = torch.Generator().manual_seed(seed + rank)
+        loader._minifabric_generator_seed = seed + rank  # type: ignore[attr-defined]
     return loader
+
+
+def owns_generator(loader: DataLoader) -> bool:
+    """Whether minifabric created ``loader``'s generator (and so may re-seed it every epoch)."""
+    return getattr(loader, "_minifabric_generator_seed", None) is not None and loader.generator is not None
+
+
+def reseed_loader_generator(loader: DataLoader, epoch: int) -> bool:
+    """Seed a minifabric-made loader generator from (seed, rank, epoch); False if the user owns it.
+
+    Its state is then a function of the epoch alone, so a checkpoint need not store it and a
+    resumed run (on any number of processes) draws the same worker seeds.
+    """
+    if not owns_generator(loader):
+        return False
+    base = loader._minifabric_generator_seed  # type: ignore[attr-defined]
+    loader.generator.manual_seed((base * 1_000_003 + epoch) % (2**63))  # type: ignore[union-attr]
+    return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -10,6 +11,8 @@ from lightning_fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
+
+from minifabric.data import owns_generator, reseed_loader_generator
 
 if TYPE_CHECKING:
     from minifabric.strategies.strategy import Strategy
@@ -56,12 +59,16 @@ class _WrappedModule(nn.Module):
 class _WrappedOptimizer:
     """Steps through the strategy (gradient scaler, sharded optimizers).
 
-    Shares the optimizer's ``__dict__`` and subclasses its class, so ``isinstance(opt, AdamW)``
-    holds and LR schedulers built over either object drive the same parameter groups.
+    Subclasses the optimizer's class, so ``isinstance(opt, AdamW)`` holds, and reads ``state``,
+    ``param_groups`` and ``defaults`` from the optimizer itself: ``load_state_dict`` replaces those
+    objects, and LR schedulers built over either object must keep driving the same groups.
     """
 
+    _SHARED = ("state", "param_groups", "defaults")
+
     def __init__(self, optimizer: Optimizer, strategy: Strategy) -> None:
-        self.__dict__ = {k: v for k, v in optimizer.__dict__.items() if k not in ("state_dict", "step", "__del__")}
+        skip = ("state_dict", "step", "__del__", *self._SHARED)
+        self.__dict__ = {k: v for k, v in optimizer.__dict__.items() if k not in skip}
         self.__class__ = type("Wrapped" + type(optimizer).__name__, (type(self), type(optimizer)), {})
         self._optimizer = optimizer
         self._strategy = strategy
@@ -70,6 +77,30 @@ class _WrappedOptimizer:
     def optimizer(self) -> Optimizer:
         """The optimizer that ``step`` drives."""
         return self._optimizer
+
+    @property
+    def state(self) -> Any:
+        return self._optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._optimizer.state = value
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self._optimizer.param_groups = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self._optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self._optimizer.defaults = value
 
     def step(self, closure: Any = None) -> Any:
         kwargs = {"closure": closure} if closure is not None else {}
@@ -88,7 +119,7 @@ class _WrappedOptimizer:
 class _WrappedDataLoader:
     """Moves batches to the device and sets the sampler's epoch at the start of every pass.
 
-    ``state_dict()``/``load_state_dict()`` record the epoch and the batches already consumed, so a
+    ``state_dict()``/``load_state_dict()`` record the epoch and the samples already consumed, so a
     run restored from a checkpoint continues at the next unseen batch.
     """
 
@@ -96,8 +127,10 @@ class _WrappedDataLoader:
         self._dataloader = dataloader
         self._device = device
         self._epoch = 0
-        self._batches_seen = 0
-        self._skip = 0
+        self._samples_seen = 0  # of this rank, in the current epoch, including any skipped at resume
+        self._start = 0  # samples to skip at the next iter() (set by load_state_dict)
+        self._in_epoch = False
+        self._generator_state: torch.Tensor | None = None
 
     @property
     def dataloader(self) -> DataLoader:
@@ -111,33 +144,61 @@ class _WrappedDataLoader:
         sampler = getattr(self._dataloader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self._epoch)
-        skip, self._skip = self._skip, 0
-        if skip and hasattr(sampler, "start_index"):
-            sampler.start_index = skip * (self._dataloader.batch_size or 1)
-        elif skip:
+        start, self._start = self._start, 0
+        if start and not hasattr(sampler, "start_index"):
             raise RuntimeError(
                 "This dataloader cannot resume mid-epoch: its sampler was not set up by minifabric."
                 " Use `acc.setup_dataloaders(loader)` (with use_distributed_sampler=True)."
             )
-        self._batches_seen = skip
+        if start:
+            sampler.start_index = start  # type: ignore[union-attr]
+        generator = getattr(self._dataloader, "generator", None)
+        if not reseed_loader_generator(self._dataloader, self._epoch) and generator is not None:
+            # Creating the iterator draws from the generator: keep the state from before that
+            # draw, so a run resumed mid-epoch draws the same worker seeds again.
+            self._generator_state = generator.get_state()
+        batch_size = self._dataloader.batch_size or 1
+        self._samples_seen, self._in_epoch = start, True
         for batch in self._dataloader:
-            self._batches_seen += 1
+            self._samples_seen += batch_size
             yield move_data_to_device(batch, self._device) if self._device is not None else batch
         self._epoch += 1
-        self._batches_seen = 0
+        self._samples_seen, self._in_epoch = 0, False
 
     def state_dict(self) -> dict[str, Any]:
-        """Epoch and batches consumed in it: where iteration resumes after a restore."""
-        state: dict[str, Any] = {"epoch": self._epoch, "batches_seen": self._batches_seen}
+        """Where iteration resumes: the epoch and this rank's samples consumed in it.
+
+        The state is the same on every rank when minifabric built the loader's generator (it is
+        re-seeded from the epoch), so it also maps onto a different number of processes.
+        """
+        sampler = getattr(self._dataloader, "sampler", None)
+        state: dict[str, Any] = {
+            "epoch": self._epoch,
+            "samples_seen": self._samples_seen,
+            "num_replicas": getattr(sampler, "num_replicas", 1),
+        }
         generator = getattr(self._dataloader, "generator", None)
-        if generator is not None:
-            state["generator"] = generator.get_state()
+        if generator is not None and not owns_generator(self._dataloader):
+            state["generator"] = self._generator_state if self._in_epoch else generator.get_state()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue from ``state_dict`` at the next ``iter()``."""
+        """Continue from ``state_dict`` at the next ``iter()``, at the first sample not seen yet.
+
+        Saved on N processes and loaded on M, the position is mapped through the global count of
+        samples seen (``samples_seen * N // M`` on each rank), with a warning where that is not exact.
+        """
         self._epoch = int(state_dict["epoch"])
-        self._skip = int(state_dict["batches_seen"])
+        samples, saved_replicas = int(state_dict["samples_seen"]), int(state_dict.get("num_replicas", 1))
+        replicas = getattr(getattr(self._dataloader, "sampler", None), "num_replicas", 1)
+        self._start = samples * saved_replicas // replicas
+        if (samples * saved_replicas) % replicas:
+            warnings.warn(
+                f"The dataloader was saved on {saved_replicas} processes after {samples} samples each and is"
+                f" resumed on {replicas}: {(samples * saved_replicas) % replicas} samples of this epoch are seen twice.",
+                UserWarning,
+                stacklevel=2,
+            )
         generator = getattr(self._dataloader, "generator", None)
         if generator is not None and "generator" in state_dict:
             generator.set_state(state_dict["generator"])

@@ -1,6 +1,6 @@
-"""The one-file checkpoint format: written by rank 0 to a temporary name, then renamed into place.
+"""The one-file format: written by rank 0 to a temporary name, then renamed into place.
 
-The file is a plain dict ``{"__minifabric__": {...}, "state": {...}}`` of tensors and Python
+The file is a plain dict ``{"__minifabric__": meta, "state": {...}}`` of full tensors and Python
 primitives, read back with ``torch.load(weights_only=True)``: loading never runs code from the file.
 A crash mid-save leaves the previous file at ``path`` untouched, because ``os.replace`` is atomic.
 """
@@ -8,42 +8,20 @@ A crash mid-save leaves the previous file at ``path`` untouched, because ``os.re
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
-from torch.utils._pytree import tree_map
 
+from minifabric.checkpoint.comm import Comm
+from minifabric.checkpoint.commit import fsync_path, unwritable_parent_error
 from minifabric.checkpoint.errors import CheckpointError
-from minifabric.checkpoint.state import collect, kinds, restore, validate
+from minifabric.checkpoint.state import FORMAT_KEY, validate
 
 if TYPE_CHECKING:
     from minifabric.strategies.strategy import Strategy
-
-FORMAT_KEY = "__minifabric__"
-FORMAT_VERSION = 1
-
-
-class SaveHandle:
-    """Returned by ``save(..., asynchronous=True)``; ``wait()`` blocks until the files are written."""
-
-    def __init__(self, thread: threading.Thread | None = None) -> None:
-        self._thread = thread
-        self.error: BaseException | None = None
-
-    def done(self) -> bool:
-        """Whether the write has finished."""
-        return self._thread is None or not self._thread.is_alive()
-
-    def wait(self) -> None:
-        """Block until the checkpoint is complete; re-raise a failure of the write."""
-        if self._thread is not None:
-            self._thread.join()
-        if self.error is not None:
-            raise CheckpointError(f"The asynchronous save failed: {self.error}") from self.error
 
 
 def writable_file_error(path: Path) -> str | None:
@@ -53,12 +31,7 @@ def writable_file_error(path: Path) -> str | None:
             f"Cannot save a one-file checkpoint to {str(path)!r}: it is a directory. Choose a file path,"
             f" e.g. {str(path / 'checkpoint.pt')!r}, or save a sharded checkpoint."
         )
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        return f"Cannot save to {str(path)!r}: {str(parent)!r} is not a writable directory. Pick a writable location."
-    return None
+    return unwritable_parent_error(path)
 
 
 def write_atomic(path: Path, payload: Any) -> None:
@@ -71,61 +44,40 @@ def write_atomic(path: Path, payload: Any) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
 
 
-def _stage(payload: Any) -> Any:
-    """A CPU copy of every tensor, so training may change the originals while the file is written."""
-    return tree_map(lambda t: t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t, payload)
-
-
-def save(strategy: Strategy, path: Path, state: dict[str, Any], *, asynchronous: bool = False) -> SaveHandle | None:
-    """Write ``state`` as one file from rank 0 (every rank must call this)."""
-    error = writable_file_error(path) if strategy.is_global_zero else None
-    error = strategy.broadcast(error)
+def check_target(comm: Comm, path: Path) -> None:
+    """Rank 0 checks that ``path`` can take a one-file checkpoint; every rank raises the same error."""
+    error = comm.broadcast(writable_file_error(path) if comm.is_zero else None)
     if error:
         raise CheckpointError(error)
-    payload = {
-        FORMAT_KEY: {"version": FORMAT_VERSION, "world_size": strategy.world_size, "kinds": kinds(state)},
-        "state": collect(strategy, state),
-    }
-    if asynchronous:
-        handle = SaveHandle()
-        if strategy.is_global_zero:
-            staged = _stage(payload)
 
-            def write() -> None:
-                try:
-                    write_atomic(path, staged)
-                except BaseException as err:  # reported by wait()
-                    handle.error = err
 
-            handle._thread = threading.Thread(target=write, name="minifabric-save", daemon=False)
-            handle._thread.start()
-        return handle
-    if strategy.is_global_zero:
+def write(comm: Comm, path: Path, payload: dict[str, Any] | None) -> None:
+    """Rank 0 writes ``payload`` to ``path``; a failure raises on every rank (collective over ``comm``)."""
+    error = None
+    if comm.is_zero:
         try:
             write_atomic(path, payload)
         except OSError as err:
             error = f"Writing the checkpoint {str(path)!r} failed ({err}); the previous file at that path is intact."
-    error = strategy.broadcast(error)
+    error = comm.broadcast(error)
     if error:
         raise CheckpointError(error)
-    return None
 
 
-def read(path: Path) -> dict[str, Any]:
+def read(path: Path) -> Any:
     """Read a one-file checkpoint (or a plain state-dict file) with ``weights_only=True``."""
     if not path.exists():
         raise CheckpointError(f"No checkpoint at {str(path)!r}: the path does not exist.")
     if not path.is_file():
-        raise CheckpointError(f"{str(path)!r} is a directory, not a one-file checkpoint.")
+        raise CheckpointError(
+            f"{str(path)!r} is a sharded checkpoint folder, not one file. Load it with"
+            f" `acc.load(path, {{'model': model}})`, or merge it first: `minifabric consolidate {path} model.pt`."
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:
@@ -134,18 +86,15 @@ def read(path: Path) -> dict[str, Any]:
         ) from err
 
 
-def load(strategy: Strategy, path: Path, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
-    """Restore ``state`` in place from a one-file checkpoint; return the entries it did not ask for."""
+def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``(meta, state)`` of a one-file minifabric checkpoint."""
     data = read(path)
     if not isinstance(data, dict) or FORMAT_KEY not in data:
         raise CheckpointError(
             f"{str(path)!r} is not a minifabric checkpoint. For a plain `torch.save(model.state_dict())`"
             " file use `acc.load_raw(path, model)`."
         )
-    loaded = data["state"]
-    modules = {k: v.state_dict() for k, v in state.items() if isinstance(v, nn.Module)}
-    validate(state, modules, loaded, strict)
-    return restore(strategy, state, loaded, strict)
+    return data[FORMAT_KEY], data["state"]
 
 
 def raw_state_dict(data: Any, obj: nn.Module | Optimizer, path: Path) -> dict[str, Any]:

@@ -9,12 +9,19 @@ from __future__ import annotations
 import difflib
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from minifabric.checkpoint.errors import CheckpointError
+from minifabric.checkpoint.tensors import shape_of
+
 if TYPE_CHECKING:
     from minifabric.strategies.strategy import Strategy
+
+# Both formats store ``{FORMAT_KEY: meta, "state": {...}}``; meta holds ``version``, ``format``,
+# ``world_size``, ``kinds`` (what each entry is) and ``ranks`` (each rank's RNG and stateful states).
+FORMAT_KEY = "__minifabric__"
+FORMAT_VERSION = 2
 
 
 def is_stateful(obj: Any) -> bool:
@@ -53,9 +60,9 @@ def shape_problems(name: str, expected: dict[str, Any], found: dict[str, Any]) -
     """Tensors of module ``name`` whose shapes differ between the model and the checkpoint."""
     problems = []
     for key, value in expected.items():
-        other = found.get(key)
-        if isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor) and value.shape != other.shape:
-            problems.append(f"{name}.{key}: checkpoint {tuple(other.shape)}, model {tuple(value.shape)}")
+        mine, theirs = shape_of(value), shape_of(found.get(key))
+        if mine is not None and theirs is not None and mine != theirs:
+            problems.append(f"{name}.{key}: checkpoint {theirs}, model {mine}")
     return problems
 
 
@@ -73,8 +80,6 @@ def validate(
     Raises:
         CheckpointError: missing entries or keys (strict), or any shape mismatch.
     """
-    from minifabric.checkpoint.errors import CheckpointError
-
     missing = [f"{k}{_hint(k, list(loaded))}" for k in state if k not in loaded]
     unexpected_keys: list[str] = []
     shapes: list[str] = []
@@ -111,17 +116,23 @@ def kinds(state: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def restore(strategy: Strategy, state: dict[str, Any], loaded: dict[str, Any], strict: bool) -> dict[str, Any]:
-    """Load ``loaded`` into ``state`` in place; return the entries ``state`` did not ask for."""
-    for key, value in state.items():
-        if key not in loaded:
-            continue
-        if isinstance(value, nn.Module):
-            strategy.load_module_state_dict(value, loaded[key], strict=strict)
-        elif isinstance(value, Optimizer):
-            strategy.load_optimizer_state_dict(value, loaded[key])
-        elif is_stateful(value):
-            value.load_state_dict(loaded[key])
-        else:
-            state[key] = loaded[key]
-    return {k: v for k, v in loaded.items() if k not in state}
+def optimizer_problems(name: str, optimizer: Optimizer, saved: Any) -> list[str]:
+    """Why the saved state of optimizer ``name`` cannot go into ``optimizer`` (group and parameter counts)."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list):
+        return [f"{name}: the checkpoint entry is not an optimizer state dict"]
+    mine = [len(g["params"]) for g in optimizer.param_groups]
+    theirs = [len(g.get("params", [])) for g in groups]
+    if mine != theirs:
+        return [f"{name}: parameters per group: checkpoint {theirs}, optimizer {mine}"]
+    return []
+
+
+def kind_problems(state: dict[str, Any], saved_kinds: dict[str, str]) -> list[str]:
+    """Entries whose kind (module, optimizer, ...) differs between ``state`` and the checkpoint."""
+    mine = kinds(state)
+    return [
+        f"{key}: checkpoint holds a {saved_kinds[key]}, state has a {kind}"
+        for key, kind in mine.items()
+        if key in saved_kinds and saved_kinds[key] != kind
+    ]

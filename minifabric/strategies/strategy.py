@@ -11,7 +11,9 @@ from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from datetime import timedelta
-from typing import Any, ContextManager
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -24,6 +26,9 @@ from minifabric.environment import DEFAULT_TIMEOUT, default_backend, destroy_pro
 from minifabric.launcher import JoinLauncher, Launcher, LocalLauncher, install_rank_excepthook, watch_parent
 from minifabric.precision import Precision
 from minifabric.strategies.meta_init import materialize, meta_init_context
+
+if TYPE_CHECKING:
+    from minifabric.checkpoint.service import Checkpointer
 
 
 class Strategy:
@@ -186,40 +191,80 @@ class Strategy:
 
     # ---- checkpoints -------------------------------------------------------------------------
 
+    #: ``"full"``: one checkpoint file written by rank 0; ``"sharded"``: a folder where each rank
+    #: writes its own shard (the FSDP default). ``load`` reads both, whatever this is.
+    state_dict_type: str = "full"
+
+    @cached_property
+    def checkpointer(self) -> Checkpointer:
+        """The checkpoint service of this strategy (created on the first save or load)."""
+        from minifabric.checkpoint.service import Checkpointer
+
+        return Checkpointer(self)
+
     def module_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        """The state dict of ``module`` as this strategy stores it."""
-        return module.state_dict()
+        """The state dict of ``module`` as this strategy stores it (collective for sharded modules).
+
+        Sharded parameters stay DTensors for a ``"sharded"`` checkpoint; for a ``"full"`` one they are
+        gathered one at a time into full CPU tensors kept on rank 0 only.
+        """
+        from minifabric.checkpoint.tensors import gather_full
+
+        state_dict = module.state_dict()
+        return (
+            gather_full(state_dict, keep=self.is_global_zero)
+            if self.state_dict_type == "full"
+            else state_dict
+        )
 
     def optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
         """The state dict of ``optimizer`` as this strategy stores it (collective for sharded ones)."""
-        return optimizer.state_dict()
+        from minifabric.checkpoint.tensors import gather_full
 
-    def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
-        """Load a full state dict into ``module``."""
-        module.load_state_dict(state_dict, strict=strict)
+        state_dict = optimizer.state_dict()
+        return (
+            gather_full(state_dict, keep=self.is_global_zero)
+            if self.state_dict_type == "full"
+            else state_dict
+        )
+
+    def load_module_state_dict(
+        self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True
+    ) -> None:
+        """Load a state dict into ``module``; full tensors are cut to this rank's shard where it is sharded."""
+        from minifabric.checkpoint.tensors import place
+
+        live = module.state_dict()
+        module.load_state_dict({k: place(v, live.get(k)) for k, v in state_dict.items()}, strict=strict)
 
     def load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-        """Load a full optimizer state dict into ``optimizer``."""
-        optimizer.load_state_dict(state_dict)
+        """Load an optimizer state dict; full state tensors are cut to the shard of their parameter."""
+        from minifabric.checkpoint.tensors import place
 
-    def save_checkpoint(self, path: Any, state: dict[str, Any], *, asynchronous: bool = False) -> Any:
-        """Write ``state`` to ``path`` (one file written by rank 0)."""
-        from minifabric.checkpoint import full
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        state = {
+            index: {
+                name: place(value, params[index]) if isinstance(index, int) and index < len(params) else value
+                for name, value in values.items()
+            }
+            for index, values in state_dict.get("state", {}).items()
+        }
+        optimizer.load_state_dict({**state_dict, "state": state})
 
-        return full.save(self, path, state, asynchronous=asynchronous)
+    def save_checkpoint(self, path: Path, state: dict[str, Any], *, asynchronous: bool = False) -> Any:
+        """Write ``state`` to ``path`` in the ``state_dict_type`` format; a handle if ``asynchronous``."""
+        return self.checkpointer.save(Path(path), state, asynchronous=asynchronous)
 
-    def load_checkpoint(self, path: Any, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
-        """Restore ``state`` in place from ``path``; return the entries ``state`` did not ask for."""
-        from minifabric.checkpoint import full
+    def load_checkpoint(self, path: Path, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
+        """Restore ``state`` in place from ``path`` (either format); return the entries it did not ask for."""
+        return self.checkpointer.load(Path(path), state, strict=strict)
 
-        return full.load(self, path, state, strict=strict)
-
-    def load_raw(self, path: Any, obj: nn.Module | Optimizer, strict: bool = True) -> None:
+    def load_raw(self, path: Path, obj: nn.Module | Optimizer, strict: bool = True) -> None:
         """Load a plain state-dict file (e.g. a consolidated checkpoint) into ``obj``."""
         from minifabric.checkpoint import full
 
-        full.load_raw(self, path, obj, strict=strict)
-
+        self.checkpointer.wait()
+        full.load_raw(self, Path(path), obj, strict=strict)
 
     def wrap(self, module: nn.Module) -> nn.Module:
         """Shard ``module`` now (FSDP); other strategies return it unchanged."""

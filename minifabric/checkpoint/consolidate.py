@@ -1,0 +1,47 @@
+"""``minifabric consolidate CKPT_DIR OUT_FILE``: merge a sharded checkpoint into one file.
+
+The output is a one-file minifabric checkpoint of full CPU tensors: ``torch.load(weights_only=True)``
+reads it, ``acc.load`` restores it on any strategy and ``acc.load_raw(path, model)`` loads its model
+entry into a plain module. It runs in one process, without a process group.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from minifabric.checkpoint import full
+from minifabric.checkpoint.errors import CheckpointError
+from minifabric.checkpoint.restore import materialize, open_checkpoint
+from minifabric.checkpoint.state import FORMAT_KEY
+
+
+def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike) -> Path:
+    """Write the sharded checkpoint at ``checkpoint`` as one file at ``output``; return ``output``.
+
+    Example:
+        >>> from minifabric.checkpoint.consolidate import consolidate
+        >>> consolidate("checkpoints/step-1000", "model.pt")  # doctest: +SKIP
+        >>> torch.load("model.pt", weights_only=True)["state"]["model"]  # doctest: +SKIP
+
+    Raises:
+        CheckpointError: ``checkpoint`` is not a committed sharded checkpoint, or ``output`` cannot be written.
+    """
+    src, dst = Path(checkpoint), Path(output)
+    if not src.is_dir():
+        raise CheckpointError(
+            f"{str(src)!r} is not a sharded checkpoint folder; only those need consolidating."
+        )
+    opened = open_checkpoint(src)
+    error = full.writable_file_error(dst)
+    if error:
+        raise CheckpointError(error)
+    kinds = opened.meta.get("kinds", {})
+    no_layout = lambda path: None  # noqa: E731  (plain full tensors, no process group)
+    tensors = materialize(
+        opened, {k: no_layout for k in opened.tree if kinds.get(k) in ("module", "optimizer")}
+    )
+    state = {**opened.tree, **tensors}
+    meta = {**opened.meta, "format": "full"}
+    full.write_atomic(dst, {FORMAT_KEY: meta, "state": state})
+    return dst

@@ -1,0 +1,199 @@
+"""Loading a checkpoint of either format into a user's ``state``: validate everything, then restore in place.
+
+The order matters: keys, shapes and optimizer layouts are checked against the checkpoint's side
+record before any tensor is read, and tensors are read into fresh buffers (sharded like the live
+ones) before anything is copied into the model, so a failed load leaves the model and optimizer
+as they were.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from minifabric.checkpoint import full, rng, sharded
+from minifabric.checkpoint.errors import CheckpointError
+from minifabric.checkpoint.state import is_stateful, kind_problems, optimizer_problems, validate
+from minifabric.checkpoint.tensors import TENSOR_REF, empty_target, equal, is_ref, map_tree, place
+
+if TYPE_CHECKING:
+    from minifabric.strategies.strategy import Strategy
+
+
+@dataclass
+class Opened:
+    """A checkpoint whose side record has been read and checked; tensors are read on demand."""
+
+    path: Path
+    meta: dict[str, Any]
+    tree: dict[str, Any]
+    sharded: bool
+
+    @property
+    def ranks(self) -> list[dict[str, Any]]:
+        """Each saved rank's record: ``{"rng": ..., "stateful": {name: state}}``."""
+        return self.meta.get("ranks") or []
+
+    def names(self) -> set[str]:
+        """Every entry the checkpoint holds."""
+        stateful = self.ranks[0]["stateful"] if self.ranks else {}
+        return set(self.tree) | set(stateful)
+
+
+def open_checkpoint(path: Path) -> Opened:
+    """Read the metadata of the checkpoint at ``path`` (a sharded folder or one file)."""
+    if sharded.is_sharded(path):
+        meta, tree = sharded.read_side_record(path)
+        return Opened(path, meta, tree, sharded=True)
+    meta, tree = full.read_checkpoint(path)
+    return Opened(path, meta, tree, sharded=False)
+
+
+Resolver = Callable[[tuple], Any]
+
+
+def _resolver(obj: Any) -> Resolver:
+    """Maps a path in the saved tree to the live tensor it will land in (for its layout), or None."""
+    if isinstance(obj, nn.Module):
+        live = obj.state_dict()
+        return lambda path: live.get(path[0]) if len(path) == 1 else None
+    if isinstance(obj, Optimizer):
+        params = [p for group in obj.param_groups for p in group["params"]]
+
+        def param_for(path: tuple) -> Any:
+            index = path[1] if len(path) == 3 and path[0] == "state" else None
+            return params[index] if isinstance(index, int) and 0 <= index < len(params) else None
+
+        return param_for
+    return lambda path: None
+
+
+def materialize(opened: Opened, wanted: dict[str, Resolver], group: Any = None) -> dict[str, Any]:
+    """The saved trees of ``wanted`` entries with real tensors, each laid out like its live counterpart."""
+    targets: dict[str, torch.Tensor] = {}
+
+    def entry(name: str, resolve: Resolver) -> Any:
+        def leaf(path: tuple, value: Any) -> Any:
+            if is_ref(value):
+                targets[value[TENSOR_REF]] = empty_target(value, resolve(path))
+                return targets[value[TENSOR_REF]]
+            if isinstance(value, torch.Tensor):
+                return place(value, resolve(path))
+            return value
+
+        return map_tree(opened.tree[name], leaf)
+
+    out = {name: entry(name, resolve) for name, resolve in wanted.items()}
+    if opened.sharded:
+        sharded.read_tensors(opened.path, targets, group)
+    return out
+
+
+def check(opened: Opened, state: dict[str, Any], strict: bool) -> list[str]:
+    """Validate ``state`` against the checkpoint; return what ``strict=False`` tolerated."""
+    problems = kind_problems(state, opened.meta.get("kinds", {}))
+    for key, value in state.items():
+        if isinstance(value, Optimizer) and key in opened.tree:
+            problems += optimizer_problems(key, value, opened.tree[key])
+    if problems:
+        raise CheckpointError(
+            f"The checkpoint {str(opened.path)!r} does not match `state`: " + "; ".join(problems) + "."
+        )
+    modules = {k: v.state_dict() for k, v in state.items() if isinstance(v, nn.Module)}
+    available = {name: opened.tree.get(name) for name in opened.names()}
+    return validate(state, modules, available, strict)
+
+
+def _restore_per_rank(opened: Opened, state: dict[str, Any], rank: int, world_size: int) -> None:
+    """Each rank's RNG and stateful objects: its own record, or a loud warning where none maps."""
+    records = opened.ranks
+    same_world = len(records) == world_size
+    not_restored: list[str] = []
+    for key, obj in state.items():
+        if (
+            not is_stateful(obj)
+            or isinstance(obj, (nn.Module, Optimizer))
+            or key not in records[0]["stateful"]
+        ):
+            continue
+        values = [record["stateful"][key] for record in records]
+        if same_world:
+            obj.load_state_dict(values[rank])
+        elif all(equal(values[0], v) for v in values[1:]):
+            obj.load_state_dict(values[0])  # the same on every saved rank: maps to any world size
+        else:
+            not_restored.append(f"{key!r} (its state differs between the saved ranks)")
+    if same_world:
+        not_restored += [f"the {name} RNG state" for name in rng.restore(records[rank]["rng"])]
+    else:
+        not_restored.append("the RNG states (python, numpy, torch, cuda), which are per rank")
+    if not_restored:
+        warnings.warn(
+            f"The checkpoint {str(opened.path)!r} was saved by {len(records)} process(es) and is loaded by"
+            f" {world_size}. NOT restored on rank {rank}: {', '.join(not_restored)}. Training continues, but"
+            " it will not repeat the random numbers of the original run.",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def _leftover(opened: Opened, name: str, materialized: dict[str, Any], rank: int, world_size: int) -> Any:
+    if name in materialized:
+        return materialized[name]
+    if name in opened.tree:
+        return opened.tree[name]
+    records = opened.ranks
+    return records[rank if len(records) == world_size else 0]["stateful"][name]
+
+
+def load(
+    strategy: Strategy, path: Path, state: dict[str, Any], strict: bool = True, group: Any = None
+) -> dict[str, Any]:
+    """Restore ``state`` in place from the checkpoint at ``path``; return the entries it did not ask for.
+
+    Raises:
+        CheckpointError: the path is no committed checkpoint, or it does not match ``state``
+            (nothing has been changed then).
+    """
+    opened = open_checkpoint(path)
+    tolerated = check(opened, state, strict)
+    wanted: dict[str, Resolver] = {}
+    for key, value in state.items():
+        if isinstance(value, (nn.Module, Optimizer)) and key in opened.tree:
+            wanted[key] = _resolver(value)
+            if isinstance(value, nn.Module):  # unexpected keys are tolerated only under strict=False
+                live = value.state_dict()
+                opened.tree[key] = {k: v for k, v in opened.tree[key].items() if k in live}
+    kinds = opened.meta.get("kinds", {})
+    leftovers = [k for k in opened.tree if k not in state]
+    wanted.update({k: _resolver(None) for k in leftovers if kinds.get(k) in ("module", "optimizer")})
+    materialized = materialize(opened, wanted, group)
+
+    for key, value in state.items():
+        if key not in opened.tree:
+            continue
+        if isinstance(value, nn.Module):
+            strategy.load_module_state_dict(value, materialized[key], strict=strict)
+        elif isinstance(value, Optimizer):
+            strategy.load_optimizer_state_dict(value, materialized[key])
+        elif not is_stateful(value):
+            state[key] = opened.tree[key]
+    if opened.ranks:
+        _restore_per_rank(opened, state, strategy.global_rank, strategy.world_size)
+    if tolerated:
+        warnings.warn(
+            f"Loaded {str(path)!r} with strict=False; not restored: {', '.join(tolerated)}.", stacklevel=3
+        )
+    names = opened.names()
+    return {
+        k: _leftover(opened, k, materialized, strategy.global_rank, strategy.world_size)
+        for k in names
+        if k not in state
+    }

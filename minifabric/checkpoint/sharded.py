@@ -1,0 +1,215 @@
+"""The sharded format: a folder of torch Distributed Checkpoint (DCP) shards plus a side record.
+
+Layout of a committed checkpoint folder::
+
+    __0_0.distcp, __1_0.distcp, ...   each rank's shard of every module and optimizer tensor (DCP)
+    .metadata                         DCP's index of the shards
+    minifabric.pt                     side record (rank 0): metadata, per-rank RNG and stateful
+                                      states, plain values, and a reference in place of each tensor
+    COMMIT.json                       commit record, written last (see ``commit.py``)
+
+Everything is read without unrestricted pickle: the side record with ``weights_only=True``, the
+shards by DCP with ``weights_only=True``, and DCP's ``.metadata`` through an unpickler that admits
+only DCP's own metadata classes.
+"""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from minifabric.checkpoint import commit
+from minifabric.checkpoint.comm import Comm
+from minifabric.checkpoint.errors import CheckpointError
+from minifabric.checkpoint.state import FORMAT_KEY
+from minifabric.checkpoint.tensors import split
+
+# What DCP's `.metadata` pickle may name; anything else is refused before it can run.
+_METADATA_MODULES = {"torch.distributed.checkpoint.metadata"}
+_METADATA_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            allowed = True
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+        return super().find_class(module, name)
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with a restricted unpickler for ``.metadata`` (no code runs on load)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as err:
+            raise CheckpointError(f"{str(path)!r} is not valid checkpoint metadata: {err}") from err
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def describe_failure(err: BaseException) -> str:
+    """Each failing rank's cause from DCP's ``CheckpointException`` (or the error itself)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, failure in sorted(failures.items()):
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            parts.append(f"rank {rank}: {type(cause).__name__}: {cause}")
+        return "; ".join(parts)
+    return f"{type(err).__name__}: {err}"
+
+
+def prepare(comm: Comm, path: Path) -> Path:
+    """Rank 0 checks ``path`` and creates a staging folder next to it; every rank gets that folder."""
+    decision: tuple[str | None, Path | None] = (None, None)
+    if comm.is_zero:
+        error = commit.target_error(path)
+        if error is None:
+            try:
+                decision = (None, commit.make_staging(path))
+            except OSError as err:
+                decision = (f"Cannot create a staging folder next to {str(path)!r}: {err}", None)
+        else:
+            decision = (error, None)
+    error, staging = comm.broadcast(decision)
+    if error:
+        raise CheckpointError(error)
+    return Path(staging)
+
+
+def split_entries(
+    collected: dict[str, Any], kinds: dict[str, str]
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Module and optimizer tensors go to DCP (by reference); everything else stays in the record."""
+    tree: dict[str, Any] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for key, value in collected.items():
+        if kinds[key] in ("module", "optimizer"):
+            tree[key], found = split(key, value)
+            tensors.update(found)
+        else:
+            tree[key] = value
+    return tree, tensors
+
+
+def write(
+    comm: Comm, path: Path, staging: Path, side: dict[str, Any] | None, tensors: dict[str, torch.Tensor]
+) -> None:
+    """Write every rank's shard, then (rank 0) the side record, the commit record, and swap into place.
+
+    Collective over ``comm``. On failure every rank raises the same :class:`CheckpointError` and
+    ``path`` still holds the previous checkpoint.
+    """
+    try:
+        commit.fault("before_shard", comm.rank)
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=".*assuming the intent is to save in a single process.*"
+            )
+            writer = FileSystemWriter(staging)
+            dcp.save(tensors, storage_writer=writer, process_group=comm.group, no_dist=not comm.distributed)
+        commit.fault("after_shard", comm.rank)
+    except BaseException as err:  # DCP's CheckpointException derives from BaseException
+        if isinstance(err, KeyboardInterrupt):
+            raise
+        if comm.is_zero:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(
+            f"Saving the checkpoint {str(path)!r} failed ({describe_failure(err)}); the previous checkpoint"
+            " at that path is intact."
+        ) from err
+    error = _commit(comm, path, staging, side) if comm.is_zero else None
+    error = comm.broadcast(error)
+    if error:
+        raise CheckpointError(error)
+
+
+def _commit(comm: Comm, path: Path, staging: Path, side: dict[str, Any] | None) -> str | None:
+    try:
+        with open(staging / commit.SIDE_RECORD, "wb") as f:
+            torch.save(side, f)
+            f.flush()
+            commit.fsync_path(staging / commit.SIDE_RECORD)
+        commit.fault("before_commit", comm.rank)
+        commit.write_record(staging, comm.world_size)
+        commit.fault("after_commit_record", comm.rank)
+        commit.swap_into_place(staging, path, comm.rank)
+        commit.remove_stale(path)
+    except OSError as err:
+        shutil.rmtree(staging, ignore_errors=True)
+        return f"Committing the checkpoint {str(path)!r} failed ({err}); the previous checkpoint at that path is intact."
+    return None
+
+
+def read_side_record(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Verify the commit record of ``path`` and return the side record's ``(meta, tree)``."""
+    commit.verify(path)
+    try:
+        data = torch.load(path / commit.SIDE_RECORD, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise CheckpointError(f"The side record of {str(path)!r} cannot be loaded safely ({err}).") from err
+    if not isinstance(data, dict) or FORMAT_KEY not in data:
+        raise CheckpointError(f"{str(path / commit.SIDE_RECORD)!r} is not a minifabric side record.")
+    return data[FORMAT_KEY], data["state"]
+
+
+def read_tensors(path: Path, targets: dict[str, torch.Tensor], group: Any = None) -> None:
+    """Fill ``targets`` (``{key: fresh tensor}``, DTensors get their shard) from the DCP files at ``path``.
+
+    Collective when a process group is up; works without one (e.g. into a plain module).
+    """
+    if not targets:
+        return
+    import torch.distributed as dist
+
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=".*assuming the intent is to load in a single process.*"
+            )
+            dcp.load(targets, storage_reader=SafeReader(path), process_group=group, no_dist=no_dist)
+    except BaseException as err:  # DCP's CheckpointException derives from BaseException
+        if isinstance(err, KeyboardInterrupt):
+            raise
+        raise CheckpointError(
+            f"Reading the tensors of {str(path)!r} failed: {describe_failure(err)}"
+        ) from err
+
+
+def is_sharded(path: Path) -> bool:
+    """Whether ``path`` names a sharded checkpoint (a folder), as opposed to a one-file checkpoint."""
+    return path.is_dir() or (not path.exists() and not path.suffix)
+
+
+__all__ = [
+    "SafeReader",
+    "is_sharded",
+    "prepare",
+    "read_side_record",
+    "read_tensors",
+    "split_entries",
+    "write",
+]

@@ -1,0 +1,146 @@
+"""Tensor plumbing shared by the checkpoint formats.
+
+A sharded checkpoint keeps its tensors in torch Distributed Checkpoint (DCP) files and everything
+else in a small side record. In that record each tensor is replaced by a *reference*: a plain dict
+``{"__tensor__": key, "shape": [...], "dtype": "float32"}`` naming its DCP key, so the record can be
+read (and validated) with ``torch.load(weights_only=True)`` before any tensor data is touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+TENSOR_REF = "__tensor__"
+
+
+def is_ref(value: Any) -> bool:
+    """Whether ``value`` is a tensor reference of a sharded checkpoint's side record."""
+    return isinstance(value, dict) and TENSOR_REF in value
+
+
+def make_ref(key: str, tensor: torch.Tensor) -> dict[str, Any]:
+    """The reference stored in place of ``tensor`` (its global shape for a DTensor)."""
+    return {TENSOR_REF: key, "shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
+
+
+def ref_dtype(ref: dict[str, Any]) -> torch.dtype:
+    """The dtype a reference records."""
+    dtype = getattr(torch, ref["dtype"], None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"Unknown dtype {ref['dtype']!r} in a checkpoint tensor reference.")
+    return dtype
+
+
+def shape_of(value: Any) -> tuple[int, ...] | None:
+    """The (global) shape of a tensor or tensor reference, else None."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    if is_ref(value):
+        return tuple(value["shape"])
+    return None
+
+
+def map_tree(tree: Any, fn: Callable[[tuple, Any], Any], path: tuple = ()) -> Any:
+    """Apply ``fn(path, leaf)`` to every leaf of nested dicts/lists/tuples; references are leaves."""
+    if isinstance(tree, dict) and not is_ref(tree):
+        return {k: map_tree(v, fn, (*path, k)) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(map_tree(v, fn, (*path, i)) for i, v in enumerate(tree))
+    return fn(path, tree)
+
+
+def split(prefix: str, tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Replace every tensor in ``tree`` by a reference; return the new tree and ``{key: tensor}``."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def take(path: tuple, leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        key = "/".join(map(str, (prefix, *path)))
+        tensors[key] = leaf
+        return make_ref(key, leaf)
+
+    return map_tree(tree, take), tensors
+
+
+def lookup(tree: Any, path: tuple) -> Any:
+    """The value at ``path`` in nested containers, or None where the path does not exist."""
+    for part in path:
+        if isinstance(tree, dict):
+            tree = tree.get(part)
+        elif isinstance(tree, (list, tuple)) and isinstance(part, int) and part < len(tree):
+            tree = tree[part]
+        else:
+            return None
+    return tree
+
+
+def empty_target(ref: dict[str, Any], like: Any) -> torch.Tensor:
+    """A fresh tensor to load ``ref`` into: sharded like ``like`` when it is a DTensor of that shape."""
+    dtype = ref_dtype(ref)
+    if isinstance(like, DTensor) and tuple(like.shape) == tuple(ref["shape"]):
+        return torch.empty_like(like, dtype=dtype)
+    return torch.empty(ref["shape"], dtype=dtype)
+
+
+def place(full: torch.Tensor, like: Any) -> torch.Tensor:
+    """``full`` laid out like ``like``: this rank's shard of it when ``like`` is a DTensor of that shape.
+
+    Every rank holds ``full`` (read from the same file), so each keeps its own slice without
+    communication (``src_data_rank=None``).
+    """
+    if isinstance(like, DTensor) and not isinstance(full, DTensor) and full.shape == like.shape:
+        local = full.to(like.device_mesh.device_type)
+        return distribute_tensor(local, like.device_mesh, like.placements, src_data_rank=None)
+    return full
+
+
+def gather_full(tree: Any, keep: bool) -> Any:
+    """Replace every DTensor by its full tensor on CPU (collective); drop the copies where not ``keep``.
+
+    DTensors are gathered one at a time, so only one full tensor is alive at once per rank.
+    """
+
+    def full(path: tuple, leaf: Any) -> Any:
+        if isinstance(leaf, DTensor):
+            value = leaf.full_tensor()
+            return value.cpu() if keep else None
+        return leaf
+
+    return map_tree(tree, full)
+
+
+def stage(tree: Any) -> Any:
+    """A CPU copy of every tensor (DTensors keep their layout), so training may go on while it is written."""
+
+    def copy(path: tuple, leaf: Any) -> Any:
+        if isinstance(leaf, DTensor):
+            local = leaf.to_local().detach().to("cpu", copy=True)
+            return DTensor.from_local(
+                local,
+                leaf.device_mesh,
+                leaf.placements,
+                run_check=False,
+                shape=leaf.shape,
+                stride=leaf.stride(),
+            )
+        if isinstance(leaf, torch.Tensor):
+            return leaf.detach().to("cpu", copy=True)
+        return leaf
+
+    return map_tree(tree, copy)
+
+
+def equal(a: Any, b: Any) -> bool:
+    """Deep equality of nested containers that may hold tensors."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)

@@ -1,0 +1,185 @@
+"""Tiny models and helpers shared by the checkpoint tests (run inside spawned ranks)."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import pickle
+import queue as queue_module
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from minifabric import Accelerator
+from tests.helpers import free_port
+
+# Ranks fork from a server that has imported torch and minifabric once: a 2-rank run then starts in
+# well under a second instead of re-importing everything per process (the spawn start method).
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "minifabric", __name__])
+
+
+def _rank_main(fn: Callable, rank: int, world_size: int, port: int, args: tuple, box: Any) -> None:
+    import os
+    import traceback
+
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    try:
+        # Plain pickle copies tensors into the message (the queue's own pickler would share them
+        # through file descriptors that die with this process).
+        box.put((rank, "ok", pickle.dumps(fn(rank, *args))))
+    except BaseException:
+        box.put((rank, "error", traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60) -> list[Any]:
+    """Call ``fn(rank, *args)`` on ``world_size`` fresh processes; return every rank's result.
+
+    Raises ``RuntimeError`` if a rank dies without a result (e.g. killed), ``AssertionError`` with the
+    tracebacks if a rank raises, ``TimeoutError`` after ``timeout`` seconds; never hangs.
+    """
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    box = _CONTEXT.Queue()
+    port = free_port()
+    procs = [
+        _CONTEXT.Process(target=_rank_main, args=(fn, r, world_size, port, args, box))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world_size and not errors:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{fn.__name__} on {world_size} ranks exceeded {timeout}s; finished: {sorted(results)}"
+                )
+            try:
+                rank, status, value = box.get(timeout=0.2)
+                (results if status == "ok" else errors)[rank] = value
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead:
+                    time.sleep(0.5)  # let a failing rank's traceback arrive
+                    while not box.empty():
+                        rank, status, value = box.get()
+                        (results if status == "ok" else errors)[rank] = value
+                    if not errors:
+                        raise RuntimeError(
+                            f"ranks {dead} died without a result (exit codes {[procs[r].exitcode for r in dead]})"
+                        ) from None
+    finally:
+        grace = 5 if len(results) == world_size else 0.5
+        for p in procs:
+            p.join(timeout=grace)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(errors.items())))
+    return [pickle.loads(results[r]) for r in range(world_size)]
+
+
+class Net(nn.Module):
+    """Two blocks with dropout; 5 rows in the first layer so the shards of 2 and 4 ranks are uneven."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(width, 5), nn.Linear(5, width)])
+        self.drop = nn.Dropout(0.2)
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.drop(torch.relu(self.blocks[0](x)))
+        return self.head(torch.relu(self.blocks[1](x)))
+
+
+def accelerator(world_size: int, state_dict_type: str = "sharded") -> Accelerator:
+    """A launched accelerator; ``fsdp`` on several ranks, ``single`` on one."""
+    strategy = "fsdp" if world_size > 1 else "single"
+    acc = Accelerator(accelerator="cpu", strategy=strategy, devices=world_size)
+    acc.launch()
+    acc.strategy.state_dict_type = state_dict_type
+    return acc
+
+
+def setup(acc: Accelerator, seed: int = 0, lr: float = 0.05) -> tuple[Any, Any, Any]:
+    """A seeded ``Net`` with AdamW and a StepLR scheduler, set up by ``acc``."""
+    torch.manual_seed(seed)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    return acc.setup(model, optimizer, scheduler=scheduler)
+
+
+def train(
+    acc: Accelerator, model: Any, optimizer: Any, scheduler: Any | None, steps: int, seed: int = 1
+) -> None:
+    """A few optimizer steps on random data (the same data on every rank)."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(4, 8, generator=generator)
+        acc.backward(model(x).square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+
+
+def full(value: Any) -> Any:
+    """``value`` with every DTensor gathered into a full CPU tensor (collective)."""
+    if isinstance(value, DTensor):
+        return value.full_tensor().cpu()
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, dict):
+        return {k: full(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(full(v) for v in value)
+    return value
+
+
+def snapshot(model: Any, optimizer: Any) -> dict[str, Any]:
+    """Full model weights and optimizer state, comparable across world sizes."""
+    return {"model": full(model.state_dict()), "optimizer": full(optimizer.state_dict())}
+
+
+def assert_same(a: Any, b: Any, where: str = "") -> None:
+    """Bitwise equality of nested containers of tensors."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), (where, a.keys(), b.keys())
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    """sha256 of every file under ``path`` (a checkpoint folder), by relative name."""
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
