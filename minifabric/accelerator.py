@@ -137,7 +137,9 @@ class Accelerator:
         if self._launched:
             raise RuntimeError("`acc.launch()` was already called. Call it once, before `acc.setup(...)`.")
         if function is not None and not callable(function):
-            raise TypeError(f"`acc.launch(function)` needs a callable, got {function!r}. Example: `acc.launch(train)`.")
+            raise TypeError(
+                f"`acc.launch(function)` needs a callable, got {function!r}. Example: `acc.launch(train)`."
+            )
         target = _CallWithAccelerator(self, function) if function is not None else None
         return self._strategy.launcher.launch(self._join, target, *args)
 
@@ -213,12 +215,14 @@ class Accelerator:
         model = self.setup_module(module)
         if not optimizers:
             if scheduler is not None:
-                raise ValueError("`scheduler=` needs an optimizer: `acc.setup(model, optimizer, scheduler=sched)`.")
+                raise ValueError(
+                    "`scheduler=` needs an optimizer: `acc.setup(model, optimizer, scheduler=sched)`."
+                )
             return model
         wrapped = self.setup_optimizers(*optimizers)
         wrapped = list(wrapped) if isinstance(wrapped, (list, tuple)) else [wrapped]
         if scheduler is not None:
-            scheduler.optimizer = wrapped[0]
+            _point_scheduler_at(scheduler, wrapped[0])
             return (model, *wrapped, scheduler)
         return (model, *wrapped)
 
@@ -292,7 +296,9 @@ class Accelerator:
 
     # ---- the step ----------------------------------------------------------------------------
 
-    def backward(self, tensor: torch.Tensor, *args: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
+    def backward(
+        self, tensor: torch.Tensor, *args: Any, model: nn.Module | None = None, **kwargs: Any
+    ) -> None:
         """``tensor.backward()`` through the precision plugin (loss scaling for ``"16-mixed"``)."""
         module = model.module if isinstance(model, _WrappedModule) else model
         self._strategy.backward(tensor, module, *args, **kwargs)
@@ -346,7 +352,9 @@ class Accelerator:
         _check_state(state)
         return self._strategy.save_checkpoint(Path(path), _unwrap(state), asynchronous=asynchronous)
 
-    def load(self, path: str | os.PathLike, state: dict[str, Any] | None = None, strict: bool = True) -> dict[str, Any]:
+    def load(
+        self, path: str | os.PathLike, state: dict[str, Any] | None = None, strict: bool = True
+    ) -> dict[str, Any]:
         """Restore ``state`` in place from the checkpoint at ``path``; return what ``state`` did not ask for.
 
         Modules, optimizers and stateful objects are loaded in place; plain values are copied back into
@@ -421,6 +429,24 @@ class _CallWithAccelerator:
         return self.function(self.accelerator, *args)
 
 
+def _point_scheduler_at(scheduler: Any, optimizer: Any) -> None:
+    """Make ``scheduler`` drive ``optimizer`` (the optimizer ``setup`` returned).
+
+    torch's LR schedulers wrap ``optimizer.step`` to notice a ``scheduler.step()`` called before the
+    first ``optimizer.step()``; the same tracking is put on the returned optimizer, or every run
+    would warn that ``optimizer.step()`` was overridden.
+    """
+    scheduler.optimizer = optimizer
+    step = optimizer.step
+
+    def tracked_step(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True
+        return step(*args, **kwargs)
+
+    tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = tracked_step
+
+
 def _is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
@@ -447,4 +473,6 @@ def _check_state(state: Any) -> None:
             raise TypeError(f"state keys must be strings, got {key!r}.")
     for key, value in state.items():
         if isinstance(value, nn.Module) and has_meta_parameters(value):
-            raise RuntimeError(f"state[{key!r}] still has meta parameters: call `acc.setup(model)` before saving it.")
+            raise RuntimeError(
+                f"state[{key!r}] still has meta parameters: call `acc.setup(model)` before saving it."
+            )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -39,7 +40,9 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, args: tuple, que
     torch.set_num_threads(1)
     try:
         result = fn(rank, *args)
-        queue.put((rank, "ok", result))
+        # Plain pickle copies tensor data into the message: torch's queue pickler would share it
+        # through a file descriptor that dies with this process before the parent reads it.
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
         raise SystemExit(1)
@@ -99,7 +102,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                 p.join()
     if errors:
         raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(errors.items())))
-    return [results[r] for r in range(world_size)]
+    return [pickle.loads(results[r]) for r in range(world_size)]
 
 
 def run_command(cmd: list[str], timeout: float = 120, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:

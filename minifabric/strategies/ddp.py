@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from contextlib import nullcontext
 from datetime import timedelta
-from typing import Any, ContextManager
+from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from minifabric.environment import DEFAULT_TIMEOUT
+from minifabric.environment import DEFAULT_TIMEOUT, default_backend
 from minifabric.strategies.strategy import Strategy
 
 
@@ -76,12 +79,27 @@ class DDPStrategy(Strategy):
         module = super().setup_module(module)
         if self.world_size == 1:
             return module
+        self._check_comm_hook_backend()
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
         ddp = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
         if self.comm_hook is not None:
+            _give_post_local_sgd_a_subgroup(self.comm_state, self.num_processes)
             hook = self.comm_wrapper(self.comm_hook) if self.comm_wrapper is not None else self.comm_hook
             ddp.register_comm_hook(state=self.comm_state, hook=hook)
         return ddp
+
+    def _check_comm_hook_backend(self) -> None:
+        """bf16 compression needs NCCL; say so at setup instead of in the first backward."""
+        names = {getattr(self.comm_hook, "__name__", ""), getattr(self.comm_wrapper, "__name__", "")}
+        bf16 = sorted(names & _BF16_HOOKS)
+        backend = self.process_group_backend or default_backend(self.root_device)
+        if bf16 and backend != "nccl":
+            raise ValueError(
+                f"DDPStrategy was given {bf16[0]}, which compresses gradients to bfloat16: torch supports"
+                f" that only on CUDA with NCCL, but this run uses the {backend!r} backend. On"
+                " CPU use `DDPStrategy(comm_hook=default_hooks.fp16_compress_hook)` or"
+                " `comm_wrapper=default_hooks.fp16_compress_wrapper`."
+            )
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         if self.zero_redundancy and self.world_size > 1:
@@ -112,14 +130,31 @@ class DDPStrategy(Strategy):
         return optimizer.state_dict()
 
 
+_BF16_HOOKS = {"bf16_compress_hook", "bf16_compress_wrapper", "bf16_compress_wrapper_hook"}
+
+
+def _give_post_local_sgd_a_subgroup(comm_state: Any, processes_per_node: int) -> None:
+    """Create post-local SGD's per-node subgroup now, on every rank.
+
+    ``PostLocalSGDState(subgroup=None)`` would create it lazily in the first backward with
+    ``dist.new_subgroups()``, whose default size is the number of CUDA devices: on CPU that fails.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
+
+    if isinstance(comm_state, PostLocalSGDState) and comm_state.subgroup is None:
+        comm_state.subgroup, _ = dist.new_subgroups(group_size=processes_per_node)
+
+
 def _zero_redundancy(optimizer: Optimizer) -> Optimizer:
-    """Rebuild ``optimizer`` as a ZeRO-1 optimizer with the same class, groups and hyper-parameters."""
+    """Rebuild ``optimizer`` as a ZeRO-1 optimizer with the same class, groups and hyper-parameters.
+
+    Only the defaults that the optimizer's constructor accepts are passed on: some defaults are
+    derived (``AdamW`` records ``decoupled_weight_decay`` but does not take it). The groups keep
+    every hyper-parameter they had.
+    """
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     groups = [dict(group) for group in optimizer.param_groups]
-    first = groups[0]
-    params = first.pop("params")
-    zero = ZeroRedundancyOptimizer(params, optimizer_class=type(optimizer), **{**optimizer.defaults, **first})
-    for group in groups[1:]:
-        zero.add_param_group(group)
-    return zero
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **defaults)

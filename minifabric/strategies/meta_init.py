@@ -120,13 +120,31 @@ def retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
             sub._parameters[name] = shared
 
 
+def empty_meta_tensors(module: nn.Module, device: torch.device) -> None:
+    """Give every meta parameter and buffer uninitialized storage on ``device``, in place.
+
+    Unlike ``module.to_empty()``, tensors that are already real keep their values (a causal mask
+    computed in ``__init__``), and a parameter shared by several modules stays one parameter.
+    """
+    replaced: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            if param is None or not param.is_meta:
+                continue
+            if id(param) not in replaced:
+                empty = torch.empty_like(param, device=device)
+                replaced[id(param)] = type(param)(empty, requires_grad=param.requires_grad)
+            sub._parameters[name] = replaced[id(param)]
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                sub._buffers[name] = torch.empty_like(buffer, device=device)
+
+
 def materialize(module: nn.Module, device: torch.device) -> None:
     """Give meta parameters real storage on ``device`` and initialize them; tied weights stay tied."""
     if not has_meta_parameters(module):
         return
     check_initializable(module)
     rng_state = init_rng_state(module)
-    groups = tied_parameters(module)
-    module.to_empty(device=device, recurse=True)
-    retie(groups)
+    empty_meta_tensors(module, device)
     initialize_weights(module, rng_state)
