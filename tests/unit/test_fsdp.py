@@ -1,0 +1,148 @@
+"""FSDP strategy in one process: option validation, block detection, policies, misuse errors."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+from minifabric import Accelerator, FSDPStrategy
+from minifabric.precision import precision_from_string
+from minifabric.resolve import strategy_from_string
+from minifabric.strategies.fsdp_wrap import (
+    inner_policy,
+    mixed_precision_policy,
+    offload_policy,
+    repeated_block_classes,
+    select_blocks,
+)
+from tests.models import GPT, Block, GPTConfig, NoInit, gpt_loss, token_batches
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"sharding_strategy": "ZERO3"}, ValueError, "sharding_strategy='ZERO3'"),
+        ({"state_dict_type": "local"}, ValueError, "state_dict_type='local'"),
+        ({"cpu_offload": "yes"}, TypeError, "cpu_offload"),
+        ({"mixed_precision": torch.bfloat16}, TypeError, "MixedPrecisionPolicy"),
+        ({"auto_wrap_policy": [Block]}, TypeError, "auto_wrap_policy"),
+        ({"activation_checkpointing_policy": {"Block"}}, TypeError, "activation_checkpointing_policy"),
+    ],
+)
+def test_bad_options_raise_at_construction(kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        FSDPStrategy(**kwargs)
+
+
+def test_options_are_keyword_only_and_strings_resolve() -> None:
+    with pytest.raises(TypeError):
+        FSDPStrategy({Block})  # type: ignore[misc]
+    assert strategy_from_string("fsdp_cpu_offload", 2).cpu_offload is True
+    assert FSDPStrategy().state_dict_type == "sharded"
+
+
+def test_repeated_blocks_are_found_top_down() -> None:
+    assert repeated_block_classes(GPT()) == {Block}
+    mlp = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    assert repeated_block_classes(mlp) == {nn.Linear}
+    assert repeated_block_classes(nn.Linear(2, 2)) == set()
+
+
+def test_select_blocks_orders_children_first_and_logs(caplog: pytest.LogCaptureFixture) -> None:
+    model = GPT(GPTConfig(n_layer=3))
+    with caplog.at_level(logging.INFO, logger="minifabric.strategies.fsdp_wrap"):
+        blocks = select_blocks(model, None)
+    assert blocks == list(model.blocks)[::-1]
+    assert "Block" in caplog.text
+    assert select_blocks(model, lambda m, name: name == "blocks.1") == [model.blocks[1]]
+    untied = GPT(GPTConfig(tied=False))
+    nested = select_blocks(untied, {Block, nn.Linear})
+    assert nested.index(untied.blocks[0].fc) < nested.index(untied.blocks[0])
+
+
+def test_policy_matching_nothing_or_a_tied_module_raises() -> None:
+    with pytest.raises(ValueError, match=r"auto_wrap_policy=\{Conv2d\} matched no submodule of GPT"):
+        select_blocks(GPT(), {nn.Conv2d})
+    with pytest.raises(ValueError, match="tied weights"):
+        select_blocks(GPT(), {nn.Embedding})
+    assert GPT().wte not in select_blocks(GPT(), None)
+
+
+def test_precision_maps_to_mixed_precision_policy() -> None:
+    bf16 = mixed_precision_policy(precision_from_string("bf16-mixed", "cpu"))
+    assert (bf16.param_dtype, bf16.reduce_dtype, bf16.output_dtype) == (torch.bfloat16, torch.float32, torch.float32)
+    assert inner_policy(bf16).output_dtype is None
+    assert mixed_precision_policy(precision_from_string("16-mixed", "cpu")).param_dtype == torch.float16
+    assert mixed_precision_policy(precision_from_string("bf16-true", "cpu")) == MixedPrecisionPolicy()
+    override = MixedPrecisionPolicy(param_dtype=torch.float16)
+    strategy = FSDPStrategy(mixed_precision=override)
+    assert strategy.mp_policy is override
+
+
+def test_cpu_offload_on_cpu_does_not_pin_memory() -> None:
+    policy = offload_policy(True, "cpu")
+    assert isinstance(policy, CPUOffloadPolicy) and policy.pin_memory is False
+    assert not isinstance(offload_policy(False, "cpu"), CPUOffloadPolicy)
+
+
+# ---- one-process FSDP (a process group of one) -----------------------------------------------
+
+
+def _accelerator(**kwargs: object) -> Accelerator:
+    acc = Accelerator(accelerator="cpu", strategy=FSDPStrategy(**kwargs), devices=1)  # type: ignore[arg-type]
+    acc.launch()
+    return acc
+
+
+def test_one_process_fsdp_trains_and_rebinds_the_optimizer() -> None:
+    acc = _accelerator()
+    torch.manual_seed(0)
+    with acc.init_module(empty_init=True):
+        model = GPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = acc.setup(model, optimizer)
+    before = model.module.blocks[0].fc.weight.full_tensor().clone()
+    acc.backward(gpt_loss(model, token_batches(1, 2, GPTConfig())[0]))
+    optimizer.step()
+    assert not torch.equal(before, model.module.blocks[0].fc.weight.full_tensor())
+
+
+def test_policy_matching_nothing_raises_at_setup() -> None:
+    acc = _accelerator(auto_wrap_policy={nn.Conv2d})
+    with pytest.raises(ValueError, match="matched no submodule"):
+        acc.setup(GPT())
+
+
+def test_module_without_init_method_raises_under_empty_init() -> None:
+    acc = _accelerator()
+    with acc.init_module(empty_init=True):
+        model = NoInit()
+    with pytest.raises(TypeError, match=r"'NoInit'.*reset_parameters"):
+        acc.setup(model)
+
+
+def test_optimizer_over_another_model_raises() -> None:
+    acc = _accelerator()
+    model = GPT()
+    optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="not parameters of the GPT|holds no parameter"):
+        acc.setup(model, optimizer)
+
+
+def test_setup_twice_raises() -> None:
+    acc = _accelerator()
+    model = GPT()
+    wrapped = acc.setup(model)
+    with pytest.raises(RuntimeError, match="already set up"):
+        acc.setup(model)
+    with pytest.raises(RuntimeError, match="already set up"):
+        acc.setup(wrapped)
+
+
+def test_mesh_before_launch_raises() -> None:
+    with pytest.raises(RuntimeError, match=r"acc.launch\(\)"):
+        FSDPStrategy().mesh  # noqa: B018
