@@ -1,0 +1,102 @@
+"""``minifabric run``: flags -> torchrun arguments and the settings the script's Accelerator reads."""
+
+import os
+
+import pytest
+
+from minifabric import cli
+
+
+@pytest.fixture
+def torchrun(monkeypatch):
+    """Capture what ``minifabric run`` hands to torchrun instead of starting processes."""
+    calls = []
+    monkeypatch.setattr("torch.distributed.run.main", lambda args: calls.append((args, dict(os.environ))))
+    return calls
+
+
+def test_run_builds_the_torchrun_command_line(torchrun):
+    cli.main(["run", "--devices", "2", "--main-port", "29611", "train.py", "--lr", "0.1"])
+    ((args, _),) = torchrun
+    assert args == [
+        "--nproc-per-node=2",
+        "--nnodes=1",
+        "--node-rank=0",
+        "--master-addr=127.0.0.1",
+        "--master-port=29611",
+        "train.py",
+        "--lr",
+        "0.1",
+    ]
+
+
+def test_multi_node_flags(torchrun):
+    cli.main(
+        [
+            "run",
+            "--num-nodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--main-address",
+            "10.0.0.1",
+            "--main-port",
+            "1234",
+            "t.py",
+        ]
+    )
+    ((args, env),) = torchrun
+    assert "--nnodes=2" in args and "--node-rank=1" in args
+    assert "--master-addr=10.0.0.1" in args and "--master-port=1234" in args
+    assert env["MINIFABRIC_NUM_NODES"] == "2"
+
+
+def test_settings_reach_the_script_through_the_environment(torchrun, monkeypatch):
+    for var in ("MINIFABRIC_STRATEGY", "MINIFABRIC_PRECISION", "MINIFABRIC_ACCELERATOR"):
+        monkeypatch.delenv(var, raising=False)
+    cli.main(
+        [
+            "run",
+            "--devices",
+            "2",
+            "--strategy",
+            "ddp",
+            "--precision",
+            "bf16-mixed",
+            "--accelerator",
+            "cpu",
+            "t.py",
+        ]
+    )
+    ((_, env),) = torchrun
+    assert env["MINIFABRIC_DEVICES"] == "2"
+    assert env["MINIFABRIC_STRATEGY"] == "ddp"
+    assert env["MINIFABRIC_PRECISION"] == "bf16-mixed"
+    assert env["MINIFABRIC_ACCELERATOR"] == "cpu"
+    assert env["OMP_NUM_THREADS"]
+
+
+def test_devices_auto_on_cpu_is_one(torchrun):
+    cli.main(["run", "--devices", "auto", "--accelerator", "cpu", "t.py"])
+    assert "--nproc-per-node=1" in torchrun[0][0]
+
+
+@pytest.mark.parametrize("argv", [["run", "--devices", "0", "t.py"], ["run", "--devices", "two", "t.py"]])
+def test_bad_devices_exit_with_a_message(torchrun, argv, capsys):
+    with pytest.raises(SystemExit, match="--devices="):
+        cli.main(argv)
+    assert not torchrun
+
+
+@pytest.mark.parametrize("flag", ["--strategy", "--precision", "--accelerator"])
+def test_unknown_choices_are_refused(torchrun, flag, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["run", flag, "nonsense", "t.py"])
+    assert "invalid choice: 'nonsense'" in capsys.readouterr().err
+
+
+def test_underscore_spellings_are_accepted(torchrun):
+    cli.main(
+        ["run", "--num_nodes", "1", "--node_rank", "0", "--main_address", "h", "--main_port", "5", "t.py"]
+    )
+    assert "--master-addr=h" in torchrun[0][0]
