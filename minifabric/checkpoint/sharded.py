@@ -131,6 +131,9 @@ def write(
             writer = FileSystemWriter(staging)
             dcp.save(tensors, storage_writer=writer, process_group=comm.group, no_dist=not comm.distributed)
         commit.fault("after_shard", comm.rank)
+        # Every rank confirms it is still alive after its shard: DCP's own completion step ran
+        # before that, and a rank lost now must not be committed as a finished save.
+        comm.all_gather(True)
     except BaseException as err:  # DCP's CheckpointException derives from BaseException
         if isinstance(err, KeyboardInterrupt):
             raise

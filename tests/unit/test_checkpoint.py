@@ -1,0 +1,216 @@
+"""Checkpoint behaviour in one process: validation before mutation, safe reading, refusal of
+interrupted saves, clear path errors, optimizers without state, RNG and dataloader state."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from minifabric import Accelerator
+from minifabric.checkpoint import CheckpointError, rng
+
+
+class Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 3)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(x))
+
+
+def _acc(state_dict_type: str = "sharded") -> Accelerator:
+    acc = Accelerator(accelerator="cpu", devices=1)
+    acc.launch()
+    acc.strategy.state_dict_type = state_dict_type
+    return acc
+
+
+def _trained(acc: Accelerator, optimizer_cls: type = torch.optim.AdamW, **kwargs) -> tuple:
+    torch.manual_seed(0)
+    model = Small()
+    optimizer = optimizer_cls(model.parameters(), lr=0.1, **kwargs)
+    model, optimizer = acc.setup(model, optimizer)
+    acc.backward(model(torch.randn(5, 4)).sum())
+    optimizer.step()
+    return model, optimizer
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_strict_key_errors_list_every_key_with_hints_and_change_nothing(tmp_path: Path) -> None:
+    acc = _acc()
+    model, optimizer = _trained(acc)
+    acc.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer})
+    other = nn.ModuleDict({"layers": nn.Linear(4, 3), "head": nn.Linear(3, 2)})
+    before = _weights(other)
+    with pytest.raises(CheckpointError) as caught:
+        acc.load(tmp_path / "ckpt", {"model": other, "optimiser": optimizer})
+    message = str(caught.value)
+    for key in ("optimiser (did you mean 'optimizer'?)", "model.layers.weight", "model.layers.bias",
+                "model.layer.weight (did you mean 'layers.weight'?)", "model.layer.bias"):  # fmt: skip
+        assert key in message
+    assert "strict=False" in message
+    for key, value in other.state_dict().items():
+        assert torch.equal(value, before[key])
+
+
+def test_non_strict_load_takes_matching_keys_and_reports_the_rest(tmp_path: Path) -> None:
+    acc = _acc()
+    model, _ = _trained(acc)
+    acc.save(tmp_path / "ckpt", {"model": model, "extra": 3})
+    target = nn.ModuleDict({"layer": nn.Linear(4, 3), "other": nn.Linear(3, 2)})
+    with pytest.warns(UserWarning, match=r"model\.other\.weight.*model\.head\.weight|model\.head\.weight"):
+        left = acc.load(tmp_path / "ckpt", {"model": target, "missing": 0}, strict=False)
+    assert torch.equal(target["layer"].weight, model.layer.weight)
+    assert left == {"extra": 3}
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+def test_shape_mismatch_is_named_and_model_unchanged(tmp_path: Path, fmt: str) -> None:
+    acc = _acc(fmt)
+    model, _ = _trained(acc)
+    path = tmp_path / ("ckpt" if fmt == "sharded" else "ckpt.pt")
+    acc.save(path, {"model": model})
+    wrong = nn.ModuleDict({"layer": nn.Linear(4, 3), "head": nn.Linear(3, 7)})
+    before = _weights(wrong)
+    with pytest.raises(CheckpointError, match=r"model\.head\.weight: checkpoint \(2, 3\), model \(7, 3\)"):
+        acc.load(path, {"model": wrong}, strict=False)
+    assert all(torch.equal(v, before[k]) for k, v in wrong.state_dict().items())
+
+
+def test_failed_tensor_read_leaves_model_unchanged(tmp_path: Path) -> None:
+    acc = _acc()
+    model, optimizer = _trained(acc)
+    acc.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer})
+    shard = next((tmp_path / "ckpt").glob("*.distcp"))
+    shard.write_bytes(b"\0" * shard.stat().st_size)  # same size: passes the commit record, fails to read
+    fresh, fresh_opt = _trained(acc)
+    with torch.no_grad():
+        fresh.layer.weight.add_(1.0)
+    before = _weights(fresh)
+    with pytest.raises(CheckpointError, match="rank 0"):
+        acc.load(tmp_path / "ckpt", {"model": fresh, "optimizer": fresh_opt})
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+
+
+@pytest.mark.parametrize(("fmt", "optimizer_cls", "kwargs", "step"), [
+    ("full", torch.optim.SGD, {}, True),  # plain SGD: no state at all
+    ("sharded", torch.optim.AdamW, {}, False),  # never stepped
+    ("sharded", torch.optim.SGD, {"momentum": 0.9}, True),
+])  # fmt: skip
+def test_optimizers_with_empty_or_small_state_round_trip(
+    tmp_path: Path, fmt, optimizer_cls, kwargs, step
+) -> None:
+    acc = _acc(fmt)
+    torch.manual_seed(0)
+    model = Small()
+    optimizer = optimizer_cls(model.parameters(), lr=0.1, **kwargs)
+    model, optimizer = acc.setup(model, optimizer)
+    if step:
+        acc.backward(model(torch.randn(5, 4)).sum())
+        optimizer.step()
+    path = tmp_path / ("ckpt" if fmt == "sharded" else "ckpt.pt")
+    acc.save(path, {"model": model, "optimizer": optimizer})
+    assert optimizer.state_dict()["state"] == {} or step  # saving did not create state
+    other = Small()
+    other_opt = optimizer_cls(other.parameters(), lr=0.5, **kwargs)
+    acc.load(path, {"model": other, "optimizer": other_opt})
+    assert other_opt.param_groups[0]["lr"] == 0.1
+    assert torch.equal(other.head.weight, model.head.weight)
+    for index, values in optimizer.state_dict()["state"].items():
+        for name, value in values.items():
+            assert torch.equal(other_opt.state_dict()["state"][index][name], value)
+
+
+def test_uncommitted_or_incomplete_folders_are_refused(tmp_path: Path) -> None:
+    acc = _acc()
+    model, _ = _trained(acc)
+    acc.save(tmp_path / "ckpt", {"model": model})
+    (tmp_path / "ckpt" / "COMMIT.json").rename(tmp_path / "record.json")
+    with pytest.raises(CheckpointError, match="interrupted save"):
+        acc.load(tmp_path / "ckpt", {"model": model})
+    record = json.loads((tmp_path / "record.json").read_text())
+    (tmp_path / "record.json").rename(tmp_path / "ckpt" / "COMMIT.json")
+    shard = next(name for name in record["files"] if name.endswith(".distcp"))
+    (tmp_path / "ckpt" / shard).write_bytes(b"short")
+    with pytest.raises(CheckpointError, match=f"incomplete: {shard} has 5 bytes"):
+        acc.load(tmp_path / "ckpt", {"model": model})
+    with pytest.raises(CheckpointError, match="does not exist"):
+        acc.load(tmp_path / "nothing", {"model": model})
+
+
+def test_path_errors_come_before_anything_is_written(tmp_path: Path) -> None:
+    acc = _acc()
+    model, _ = _trained(acc)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="it is a file"):
+        acc.save(tmp_path / "file", {"model": model})
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "keep.txt").write_text("x")
+    with pytest.raises(CheckpointError, match="holds no minifabric checkpoint"):
+        acc.save(tmp_path / "data", {"model": model})
+    with pytest.raises(CheckpointError, match="not a writable directory"):
+        acc.save(tmp_path / "file" / "below", {"model": model})
+    acc.strategy.state_dict_type = "full"
+    with pytest.raises(CheckpointError, match="it is a directory"):
+        acc.save(tmp_path / "data", {"model": model})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "file"]
+    assert (tmp_path / "file").read_text() == "x"
+
+
+class _Boom:
+    def __reduce__(self):
+        return (print, ("code ran",))
+
+
+def test_metadata_that_would_run_code_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    acc = _acc()
+    model, _ = _trained(acc)
+    acc.save(tmp_path / "ckpt", {"model": model})
+    metadata = tmp_path / "ckpt" / ".metadata"
+    metadata.write_bytes(pickle.dumps(_Boom()))
+    record = json.loads((tmp_path / "ckpt" / "COMMIT.json").read_text())
+    record["files"][".metadata"] = metadata.stat().st_size
+    (tmp_path / "ckpt" / "COMMIT.json").write_text(json.dumps(record))
+    with pytest.raises(CheckpointError, match="not allowed"):
+        acc.load(tmp_path / "ckpt", {"model": model})
+    assert "code ran" not in capsys.readouterr().out
+
+
+def test_rng_states_round_trip_through_a_weights_only_file(tmp_path: Path) -> None:
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    torch.save(rng.capture(), tmp_path / "rng.pt")
+    expected = (random.random(), np.random.rand(), torch.rand(1))
+    random.random(), np.random.rand(), torch.rand(1)
+    assert rng.restore(torch.load(tmp_path / "rng.pt", weights_only=True)) == []
+    assert (random.random(), np.random.rand()) == expected[:2] and torch.equal(torch.rand(1), expected[2])
+
+
+def test_dataloader_resumes_at_the_next_unseen_batch_and_maps_world_sizes() -> None:
+    acc = _acc()
+    loader = acc.setup_dataloaders(DataLoader(TensorDataset(torch.arange(20)), batch_size=2, shuffle=True))
+    iterator = iter(loader)
+    seen = [next(iterator)[0].tolist() for _ in range(3)]
+    state = loader.state_dict()
+    rest = [batch[0].tolist() for batch in iterator]
+    assert state == {"epoch": 0, "samples_seen": 6, "num_replicas": 1}
+    other = acc.setup_dataloaders(DataLoader(TensorDataset(torch.arange(20)), batch_size=2, shuffle=True))
+    other.load_state_dict(state)
+    assert [batch[0].tolist() for batch in other] == rest
+    assert sorted(i for batch in seen + rest for i in batch) == list(range(20))
+    other.load_state_dict({"epoch": 1, "samples_seen": 3, "num_replicas": 3})  # 9 samples seen in all
+    assert sum(len(batch[0]) for batch in other) == 20 - 9
