@@ -62,7 +62,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue)) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -75,7 +77,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         while len(results) + len(errors) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"distributed run of {fn.__name__} exceeded {timeout}s; finished: {sorted(results)}")
+                raise TimeoutError(
+                    f"distributed run of {fn.__name__} exceeded {timeout}s; finished: {sorted(results)}"
+                )
             try:
                 rank, status, value = queue.get(timeout=min(remaining, 1.0))
             except queue_module.Empty:
@@ -88,7 +92,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                         (results if status == "ok" else errors)[rank] = value
                     if errors:
                         break
-                    raise RuntimeError(f"ranks {dead} died without a result (exit codes {[procs[i].exitcode for i in dead]})")
+                    raise RuntimeError(
+                        f"ranks {dead} died without a result (exit codes {[procs[i].exitcode for i in dead]})"
+                    )
                 continue
             (results if status == "ok" else errors)[rank] = value
             if errors:
@@ -105,14 +111,35 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     return [pickle.loads(results[r]) for r in range(world_size)]
 
 
-def run_command(cmd: list[str], timeout: float = 120, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run a command with the repo on PYTHONPATH; kill it (and fail) after ``timeout`` seconds."""
+def command_env(env: dict | None = None) -> dict[str, str]:
+    """The environment for a subprocess: the repo on PYTHONPATH, one thread, no inherited rank variables."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
-    for var in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+    for var in (
+        "LOCAL_RANK",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "NODE_RANK",
+    ):
         if env is None or var not in env:
             full_env.pop(var, None)
+    return full_env
+
+
+def run_command(
+    cmd: list[str], timeout: float = 120, cwd: Path | None = None, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """Run a command with the repo on PYTHONPATH; kill it (and fail) after ``timeout`` seconds."""
     return subprocess.run(
-        cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout, start_new_session=True
+        cmd,
+        cwd=cwd,
+        env=command_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        start_new_session=True,
     )
 
 

@@ -1,0 +1,142 @@
+"""Starting a script's processes: ``python script.py``, ``acc.launch(fn)``, ``minifabric run``, torchrun.
+
+Each test runs ``tests/scripts/train.py`` in a new session (process group), so the test can check
+that no process of the run is left behind. Failures are timed from the moment the failing rank
+raises (it prints a timestamp) to the moment the last process of the run is gone: start-up on a
+busy 2-core machine is slow and says nothing about failing fast.
+"""
+
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import PYTHON, REPO, command_env, free_port
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+
+SCRIPT = str(REPO / "tests" / "scripts" / "train.py")
+FAIL_FAST_SECONDS = 10
+
+
+def _commands(port: int) -> dict[str, list[str]]:
+    return {
+        "script": [PYTHON, SCRIPT, "--devices", "2"],
+        "spawn": [PYTHON, SCRIPT, "--devices", "2", "--spawn"],
+        "minifabric run": [PYTHON, "-m", "minifabric", "run", "--devices", "2", "--main-port", str(port), SCRIPT],
+        "torchrun": [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+                     SCRIPT, "--devices", "2"],
+    }  # fmt: skip
+
+
+def _live_processes(session: int) -> list[int]:
+    """Processes of a session that have not exited (zombies excluded)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session and fields[0] != "Z":  # fields: state, ppid, pgrp, session
+            alive.append(int(stat.parent.name))
+    return alive
+
+
+def _run(cmd: list[str], timeout: float = 120, env: dict | None = None) -> tuple[int, str, float]:
+    """Run ``cmd`` in a new session; return exit code, output, and when its last process was gone."""
+    proc = subprocess.Popen(
+        cmd,
+        env=command_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["kill", "-9", f"-{proc.pid}"], check=False)
+        proc.communicate()
+        raise
+    deadline = time.monotonic() + FAIL_FAST_SECONDS
+    while _live_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proc.returncode, output, time.time()
+
+
+def _results(output: str) -> dict[int, tuple[int, str]]:
+    """rank -> (world size, parameter checksum) from the script's RESULT lines."""
+    found = re.findall(r"RESULT rank=(\d) world=(\d) node=\d params=(-?[\d.]+)", output)
+    return {int(rank): (int(world), params) for rank, world, params in found}
+
+
+@pytest.mark.parametrize("how", ["script", "minifabric run", "torchrun"])
+def test_the_same_script_trains_however_it_is_started(how):
+    code, output, _ = _run(_commands(free_port())[how])
+    assert code == 0, output
+    results = _results(output)
+    assert sorted(results) == [0, 1], output
+    assert results[0] == results[1]  # world of 2, identical parameters on both ranks
+    assert results[0][0] == 2
+
+
+@pytest.mark.parametrize("how", ["script", "spawn", "torchrun"])
+def test_an_exception_on_one_rank_ends_every_rank_fast(how):
+    cmd = [*_commands(free_port())[how], "--steps", "50", "--fail-rank", "1", "--fail-step", "3"]
+    code, output, ended = _run(cmd)
+    assert code != 0, output
+    failed_at = float(re.search(r"FAILING at=(\S+)", output).group(1))
+    assert ended - failed_at < FAIL_FAST_SECONDS, output
+    assert "rank 1" in output  # the failing rank is named ...
+    assert (
+        "Traceback" in output and "RuntimeError: planned failure at step 3" in output
+    )  # ... with its traceback
+    assert "RESULT" not in output
+
+
+def test_two_simulated_nodes_form_one_world():
+    port = free_port()
+    nodes = [
+        subprocess.Popen(
+            [
+                PYTHON,
+                "-m",
+                "minifabric",
+                "run",
+                "--num-nodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--devices",
+                "1",
+                "--main-address",
+                "127.0.0.1",
+                "--main-port",
+                str(port),
+                SCRIPT,
+            ],
+            env=command_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for node in (0, 1)
+    ]
+    outputs = []
+    try:
+        for node in nodes:
+            outputs.append(node.communicate(timeout=150)[0])
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                subprocess.run(["kill", "-9", f"-{node.pid}"], check=False)
+                node.communicate()
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    results = [_results(output) for output in outputs]
+    assert list(results[0]) == [0] and list(results[1]) == [1]  # one rank per node
+    assert results[0][0] == results[1][1]  # world of 2, identical parameters
+    assert results[0][0][0] == 2
+    assert "node=0" in outputs[0] and "node=1" in outputs[1]
