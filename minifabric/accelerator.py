@@ -18,10 +18,11 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
+from minifabric._arguments import CallWithAccelerator, check_state, point_scheduler_at, unwrap_state
+from minifabric.checkpoint.state import is_stateful
 from minifabric.data import distributed_dataloader
 from minifabric.precision import Precision, PrecisionStr
 from minifabric.resolve import AcceleratorStr, StrategyStr, apply_cli_settings, resolve
-from minifabric.strategies.meta_init import has_meta_parameters
 from minifabric.strategies.rebind import parameter_names, rebind_optimizer
 from minifabric.strategies.strategy import Strategy
 from minifabric.wrappers import _WrappedDataLoader, _WrappedModule, _WrappedOptimizer
@@ -140,7 +141,7 @@ class Accelerator:
             raise TypeError(
                 f"`acc.launch(function)` needs a callable, got {function!r}. Example: `acc.launch(train)`."
             )
-        target = _CallWithAccelerator(self, function) if function is not None else None
+        target = CallWithAccelerator(self, function) if function is not None else None
         return self._strategy.launcher.launch(self._join, target, *args)
 
     def _join(self) -> None:
@@ -222,7 +223,7 @@ class Accelerator:
         wrapped = self.setup_optimizers(*optimizers)
         wrapped = list(wrapped) if isinstance(wrapped, (list, tuple)) else [wrapped]
         if scheduler is not None:
-            _point_scheduler_at(scheduler, wrapped[0])
+            point_scheduler_at(scheduler, wrapped[0])
             return (model, *wrapped, scheduler)
         return (model, *wrapped)
 
@@ -349,8 +350,8 @@ class Accelerator:
         completes, ``path`` still holds the previous checkpoint. With ``asynchronous=True`` returns a
         handle with ``.wait()`` and training may continue while the files are written.
         """
-        _check_state(state)
-        return self._strategy.save_checkpoint(Path(path), _unwrap(state), asynchronous=asynchronous)
+        check_state(state)
+        return self._strategy.save_checkpoint(Path(path), unwrap_state(state), asynchronous=asynchronous)
 
     def load(
         self, path: str | os.PathLike, state: dict[str, Any] | None = None, strict: bool = True
@@ -362,17 +363,17 @@ class Accelerator:
         """
         if state is None:
             state = {}
-        _check_state(state)
-        unwrapped = _unwrap(state)
+        check_state(state)
+        unwrapped = unwrap_state(state)
         remainder = self._strategy.load_checkpoint(Path(path), unwrapped, strict=strict)
         for key, value in unwrapped.items():
-            if key in state and not _is_stateful(state[key]):
+            if key in state and not is_stateful(state[key]):
                 state[key] = value
         return remainder
 
     def load_raw(self, path: str | os.PathLike, obj: nn.Module | Optimizer, strict: bool = True) -> None:
         """Load a plain ``torch.save(model.state_dict())`` file (or a consolidated checkpoint) into ``obj``."""
-        target = _unwrap({"obj": obj})["obj"]
+        target = unwrap_state({"obj": obj})["obj"]
         if not isinstance(target, (nn.Module, Optimizer)):
             raise TypeError(f"`load_raw` loads into a module or optimizer, got {type(obj).__name__}.")
         self._strategy.load_raw(Path(path), target, strict=strict)
@@ -416,63 +417,3 @@ class Accelerator:
         yield
         if rank == 0:
             self.barrier()
-
-
-class _CallWithAccelerator:
-    """A picklable ``fn(acc, *args)`` for spawned processes."""
-
-    def __init__(self, accelerator: Accelerator, function: Callable[..., Any]) -> None:
-        self.accelerator = accelerator
-        self.function = function
-
-    def __call__(self, *args: Any) -> Any:
-        return self.function(self.accelerator, *args)
-
-
-def _point_scheduler_at(scheduler: Any, optimizer: Any) -> None:
-    """Make ``scheduler`` drive ``optimizer`` (the optimizer ``setup`` returned).
-
-    torch's LR schedulers wrap ``optimizer.step`` to notice a ``scheduler.step()`` called before the
-    first ``optimizer.step()``; the same tracking is put on the returned optimizer, or every run
-    would warn that ``optimizer.step()`` was overridden.
-    """
-    scheduler.optimizer = optimizer
-    step = optimizer.step
-
-    def tracked_step(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True
-        return step(*args, **kwargs)
-
-    tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = tracked_step
-
-
-def _is_stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
-def _unwrap(state: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in state.items():
-        if isinstance(value, _WrappedModule):
-            value = value.module
-        elif isinstance(value, _WrappedOptimizer):
-            value = value.optimizer
-        out[key] = value
-    return out
-
-
-def _check_state(state: Any) -> None:
-    if not isinstance(state, dict):
-        raise TypeError(
-            f"state must be a dict of names to objects, got {type(state).__name__}. Example:"
-            ' `acc.save(path, {"model": model, "optimizer": optimizer, "step": step})`.'
-        )
-    for key in state:
-        if not isinstance(key, str):
-            raise TypeError(f"state keys must be strings, got {key!r}.")
-    for key, value in state.items():
-        if isinstance(value, nn.Module) and has_meta_parameters(value):
-            raise RuntimeError(
-                f"state[{key!r}] still has meta parameters: call `acc.setup(model)` before saving it."
-            )

@@ -34,7 +34,7 @@ def meta_init_context(dtype: torch.dtype | None = None) -> Iterator[None]:
         if param is not None and not hasattr(module, _INIT_RNG_ATTR):
             setattr(module, _INIT_RNG_ATTR, rng_state)
 
-    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -84,16 +84,18 @@ def initialize_weights(module: nn.Module, rng_state: torch.Tensor | None) -> Non
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         if rng_state is not None:
             torch.set_rng_state(rng_state)
-        if callable(getattr(module, "init_weights", None)):
-            module.init_weights()
+        init_weights = getattr(module, "init_weights", None)
+        if callable(init_weights):
+            init_weights()
         else:
             done: set[int] = set()
             for sub in module.modules():
                 own = list(sub.parameters(recurse=False))
-                if not own or not callable(getattr(sub, "reset_parameters", None)):
+                reset_parameters = getattr(sub, "reset_parameters", None)
+                if not own or not callable(reset_parameters):
                     continue
                 keep = [(p, p.detach().clone()) for p in own if id(p) in done]
-                sub.reset_parameters()
+                reset_parameters()
                 for p, value in keep:
                     p.copy_(value)
                 done.update(id(p) for p in own)

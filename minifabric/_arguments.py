@@ -1,0 +1,69 @@
+"""Checks and conversions of what users pass to the Accelerator's methods."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from minifabric.strategies.meta_init import has_meta_parameters
+from minifabric.wrappers import _WrappedModule, _WrappedOptimizer
+
+
+class CallWithAccelerator:
+    """A picklable ``fn(acc, *args)`` for spawned processes."""
+
+    def __init__(self, accelerator: Any, function: Callable[..., Any]) -> None:
+        self.accelerator = accelerator
+        self.function = function
+
+    def __call__(self, *args: Any) -> Any:
+        return self.function(self.accelerator, *args)
+
+
+def point_scheduler_at(scheduler: Any, optimizer: Any) -> None:
+    """Make ``scheduler`` drive ``optimizer`` (the optimizer ``setup`` returned).
+
+    torch's LR schedulers wrap ``optimizer.step`` to notice a ``scheduler.step()`` called before the
+    first ``optimizer.step()``; the same tracking is put on the returned optimizer, or every run
+    would warn that ``optimizer.step()`` was overridden.
+    """
+    scheduler.optimizer = optimizer
+    step = optimizer.step
+
+    def tracked_step(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True
+        return step(*args, **kwargs)
+
+    tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = tracked_step
+
+
+def unwrap_state(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with the objects ``setup`` returned replaced by the user's module and optimizer."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, _WrappedModule):
+            value = value.module
+        elif isinstance(value, _WrappedOptimizer):
+            value = value.optimizer
+        out[key] = value
+    return out
+
+
+def check_state(state: Any) -> None:
+    """Validate a ``state`` dict passed to ``save``/``load``."""
+    if not isinstance(state, dict):
+        raise TypeError(
+            f"state must be a dict of names to objects, got {type(state).__name__}. Example:"
+            ' `acc.save(path, {"model": model, "optimizer": optimizer, "step": step})`.'
+        )
+    for key in state:
+        if not isinstance(key, str):
+            raise TypeError(f"state keys must be strings, got {key!r}.")
+    for key, value in state.items():
+        if isinstance(value, nn.Module) and has_meta_parameters(value):
+            raise RuntimeError(
+                f"state[{key!r}] still has meta parameters: call `acc.setup(model)` before saving it."
+            )
