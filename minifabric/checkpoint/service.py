@@ -71,6 +71,8 @@ class Checkpointer:
         self._strategy = strategy
         self._comm: Comm | None = None
         self._pending: SaveHandle | None = None
+        # CPU copies of the last asynchronous save, reused by the next one (one model copy in RAM).
+        self._buffers: dict[str, Any] = {}
 
     @property
     def comm(self) -> Comm:
@@ -113,12 +115,12 @@ class Checkpointer:
             tree, tensors = sharded.split_entries(collected, entry_kinds)
             side = {FORMAT_KEY: meta, "state": tree} if comm.is_zero else None
             if asynchronous:
-                side, tensors = stage(side), stage(tensors)
+                side, tensors = stage(side), stage(tensors, self._buffers)
             write = lambda: sharded.write(comm, path, staging, side, tensors)  # noqa: E731
         else:
             payload = {FORMAT_KEY: meta, "state": collected} if comm.is_zero else None
             if asynchronous:
-                payload = stage(payload)
+                payload = stage(payload, self._buffers)
             write = lambda: full.write(comm, path, payload)  # noqa: E731
         if not asynchronous:
             write()

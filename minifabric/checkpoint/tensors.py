@@ -114,12 +114,26 @@ def gather_full(tree: Any, keep: bool) -> Any:
     return map_tree(tree, full)
 
 
-def stage(tree: Any) -> Any:
-    """A CPU copy of every tensor (DTensors keep their layout), so training may go on while it is written."""
+def _copy_into(tensor: torch.Tensor, key: str, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A CPU copy of ``tensor``, written into the buffer kept under ``key`` when one of its kind exists."""
+    buffer = buffers.get(key)
+    if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+        buffer = buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+    return buffer.copy_(tensor.detach())
+
+
+def stage(tree: Any, buffers: dict[str, torch.Tensor] | None = None) -> Any:
+    """A CPU copy of every tensor (DTensors keep their layout), so training may go on while it is written.
+
+    With ``buffers`` (kept by the caller between saves), the copies reuse the buffers of the previous
+    save: the copy is then a plain memcpy, without allocating and faulting in fresh memory.
+    """
+    buffers = {} if buffers is None else buffers
 
     def copy(path: tuple, leaf: Any) -> Any:
+        key = "/".join(map(str, path))
         if isinstance(leaf, DTensor):
-            local = leaf.to_local().detach().to("cpu", copy=True)
+            local = _copy_into(leaf.to_local(), key, buffers)
             return DTensor.from_local(
                 local,
                 leaf.device_mesh,
@@ -129,7 +143,7 @@ def stage(tree: Any) -> Any:
                 stride=leaf.stride(),
             )
         if isinstance(leaf, torch.Tensor):
-            return leaf.detach().to("cpu", copy=True)
+            return _copy_into(leaf, key, buffers)
         return leaf
 
     return map_tree(tree, copy)

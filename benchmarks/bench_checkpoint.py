@@ -1,0 +1,146 @@
+"""Checkpoint benchmark: sharded save/load throughput against the disk, and the stall of an async save.
+
+On 2 ranks (FSDP, CPU/gloo) with a model of ~1 GB of fp32 parameters, one run measures:
+
+1. the disk's own rate: each rank writes (with fsync) and reads back a file the size of its shard,
+   at the same time, like a sharded save does;
+2. ``acc.save`` of a sharded checkpoint (every byte fsynced, committed) and ``acc.load`` of it, as
+   GB/s of state, and their ratio to the disk's write/read rate (target >= 0.7);
+3. the training-loop stall of ``acc.save(..., asynchronous=True)``: how long the call blocks the loop,
+   against the time of a synchronous save of the same state (target <= 0.1).
+
+Reads are from the page cache in both the disk measurement and the load (the checkpoint was just
+written), so the load ratio compares like with like.
+
+Run (about 2 minutes)::
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_checkpoint.py --dir /tmp/bench-ckpt --gb 1.0
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from minifabric import Accelerator
+
+
+def build(acc: Accelerator, gigabytes: float) -> tuple[nn.Module, torch.optim.Optimizer]:
+    width = 4096
+    layers = max(1, round(gigabytes * 2**30 / (width * width * 4)))
+    with acc.init_module(empty_init=True):
+        model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    return acc.setup(model, optimizer)
+
+
+def disk_rate(acc: Accelerator, folder: Path, nbytes: int) -> tuple[float, float]:
+    """Aggregate GB/s of every rank writing (fsync) then reading ``nbytes`` at once."""
+    path = folder / f"disk-{acc.global_rank}.bin"
+    block = os.urandom(64 * 2**20)
+    acc.barrier()
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(0, nbytes, len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    acc.barrier()
+    write = time.perf_counter() - start
+    start = time.perf_counter()
+    with open(path, "rb") as f:
+        while f.read(64 * 2**20):
+            pass
+    acc.barrier()
+    read = time.perf_counter() - start
+    path.unlink()
+    total = nbytes * acc.world_size / 1e9
+    return total / write, total / read
+
+
+def timed(acc: Accelerator, fn) -> float:
+    acc.barrier()
+    start = time.perf_counter()
+    fn()
+    acc.barrier()
+    return time.perf_counter() - start
+
+
+def step(acc: Accelerator, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    acc.backward(model(torch.randn(2, 4096)).sum())
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def main(acc: Accelerator, folder: str, gigabytes: float) -> dict:
+    root = Path(folder)
+    model, optimizer = build(acc, gigabytes)
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    nbytes = sum(p.to_local().numel() * 4 for p in model.parameters())
+    total_gb = nbytes * acc.world_size / 1e9
+    disk_write, disk_read = disk_rate(acc, root, nbytes)
+
+    save = timed(acc, lambda: acc.save(root / "ckpt", state))
+    save_again = timed(acc, lambda: acc.save(root / "ckpt", state))  # replaces a committed checkpoint
+    load = timed(acc, lambda: acc.load(root / "ckpt", state))
+
+    step_times = []
+    for _ in range(3):
+        step_times.append(timed(acc, lambda: step(acc, model, optimizer)))
+    stalls, steps_during = [], 0
+    for _ in range(2):  # the first allocates the staging copy, the second reuses it
+        start = time.perf_counter()
+        handle = acc.save(root / "ckpt_async", state, asynchronous=True)
+        stalls.append(time.perf_counter() - start)
+        while not handle.done():
+            step(acc, model, optimizer)
+            steps_during += 1
+        handle.wait()
+        acc.barrier()
+    return {
+        "state_gb": total_gb,
+        "disk_write_gbps": disk_write,
+        "disk_read_gbps": disk_read,
+        "save_s": min(save, save_again),
+        "save_gbps": total_gb / min(save, save_again),
+        "load_s": load,
+        "load_gbps": total_gb / load,
+        "step_s": sorted(step_times)[1],
+        "async_stall_first_s": stalls[0],
+        "async_stall_s": stalls[1],
+        "steps_during_async_write": steps_during,
+    }
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dir", default="/tmp/bench-ckpt", help="folder on the disk to measure")
+    parser.add_argument("--gb", type=float, default=1.0, help="size of the model's fp32 parameters")
+    args = parser.parse_args()
+    shutil.rmtree(args.dir, ignore_errors=True)
+    Path(args.dir).mkdir(parents=True)
+    accelerator = Accelerator(accelerator="cpu", strategy="fsdp", devices=2)
+    r = accelerator.launch(main, args.dir, args.gb)
+    print(f"state: {r['state_gb']:.2f} GB on 2 ranks (FSDP, CPU/gloo)")
+    print(
+        f"disk:  write {r['disk_write_gbps']:.2f} GB/s, read {r['disk_read_gbps']:.2f} GB/s (2 ranks at once)"
+    )
+    save_ratio, load_ratio = r["save_gbps"] / r["disk_write_gbps"], r["load_gbps"] / r["disk_read_gbps"]
+    print(
+        f"save:  {r['save_s']:.2f} s = {r['save_gbps']:.2f} GB/s = {save_ratio:.2f} of the disk (target >= 0.7)"
+    )
+    print(
+        f"load:  {r['load_s']:.2f} s = {r['load_gbps']:.2f} GB/s = {load_ratio:.2f} of the disk (target >= 0.7)"
+    )
+    print(
+        f"async: the loop stalls {r['async_stall_s']:.3f} s = {r['async_stall_s'] / r['save_s']:.3f} of a sync save"
+        f" (target <= 0.1; first async save, which allocates the staging copy: {r['async_stall_first_s']:.3f} s);"
+        f" {r['steps_during_async_write']} training steps ({r['step_s']:.2f} s each) ran while the two saves wrote"
+    )
+    shutil.rmtree(args.dir, ignore_errors=True)
