@@ -1,0 +1,309 @@
+"""Train a small byte-level GPT on the Python standard library's own source code.
+
+The data exists on every machine: the sorted top-level ``*.py`` files of the running interpreter's
+standard library (``sysconfig.get_paths()["stdlib"]``), concatenated, first ``--data-bytes`` bytes
+(default 1,000,000). Tokens are bytes (vocabulary 256). The last 10% is held out for validation.
+The exact text depends on your Python version, so losses differ slightly between versions.
+
+Run it (2 CPU processes, about a minute; the script starts the second process itself):
+
+    python examples/gpt/train.py
+    python examples/gpt/train.py --resume                 # continue from out/gpt/checkpoint
+    python examples/gpt/train.py --devices 1 --strategy single --precision 32-true
+    python examples/gpt/train.py --n-layer 6 --n-embd 192 --max-steps 600   # bigger, longer
+    minifabric run --devices 2 examples/gpt/train.py      # or: torchrun --nproc-per-node 2 ...
+
+Interrupt it (Ctrl-C, or ``--stop-at STEP``) and ``--resume``: the continued run is bit-for-bit
+the run that was never interrupted (model, optimizer, LR schedule and data order are all restored).
+At the end it prints the validation loss next to the unigram baseline, writes ``loss.png``
+(``pip install matplotlib``) and samples some Python-looking text.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+from minifabric import Accelerator
+
+# ---- config: every default here is what `python examples/gpt/train.py` runs -------------------------
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument("--accelerator", default="cpu", help='"cpu", "cuda" or "auto"')
+parser.add_argument("--devices", type=int, default=2, help="processes (one per device)")
+parser.add_argument("--strategy", default="fsdp", help='"fsdp", "ddp", "single", ...')
+parser.add_argument("--precision", default="bf16-mixed", help='"bf16-mixed", "32-true", ...')
+parser.add_argument("--n-layer", type=int, default=2)
+parser.add_argument("--n-head", type=int, default=4)
+parser.add_argument("--n-embd", type=int, default=96)
+parser.add_argument("--block-size", type=int, default=64, help="context length in bytes")
+parser.add_argument("--batch-size", type=int, default=16, help="sequences per micro-batch per process")
+parser.add_argument("--grad-accum", type=int, default=2, help="micro-batches per optimizer step")
+parser.add_argument("--max-steps", type=int, default=200, help="optimizer steps")
+parser.add_argument("--lr", type=float, default=1e-2, help="peak learning rate")
+parser.add_argument("--warmup-steps", type=int, default=20)
+parser.add_argument("--eval-interval", type=int, default=50, help="steps between validation runs")
+parser.add_argument("--ckpt-interval", type=int, default=50, help="steps between checkpoints")
+parser.add_argument("--data-bytes", type=int, default=1_000_000)
+parser.add_argument("--out-dir", default="out/gpt")
+parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out-dir")
+parser.add_argument("--stop-at", type=int, default=None, help="stop after this step, as if interrupted")
+parser.add_argument("--sample-bytes", type=int, default=300)
+parser.add_argument("--seed", type=int, default=1337)
+args = parser.parse_args()
+
+
+# ---- data --------------------------------------------------------------------------------------------
+def stdlib_bytes(limit: int) -> torch.Tensor:
+    """The first ``limit`` bytes of the sorted top-level ``*.py`` files of this Python's stdlib."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    if not files:
+        sys.exit(f"No .py files in {sysconfig.get_paths()['stdlib']!r}: this Python ships no stdlib sources.")
+    data = b"".join(f.read_bytes() for f in files)[:limit]
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+class Chunks(Dataset):
+    """Non-overlapping windows of ``block_size + 1`` bytes: input and the next-byte targets."""
+
+    def __init__(self, data: torch.Tensor, block_size: int) -> None:
+        self.data, self.block_size = data, block_size
+
+    def __len__(self) -> int:
+        return (len(self.data) - 1) // self.block_size
+
+    def __getitem__(self, i: int):
+        chunk = self.data[i * self.block_size : (i + 1) * self.block_size + 1].long()
+        return chunk[:-1], chunk[1:]
+
+
+def unigram_baseline(train: torch.Tensor, val: torch.Tensor) -> float:
+    """Cross-entropy (nats/byte) of the validation bytes under the training byte frequencies."""
+    counts = torch.bincount(train.long(), minlength=256).double() + 1  # add-one smoothing
+    log_p = (counts / counts.sum()).log()
+    return -log_p[val.long()].mean().item()
+
+
+# ---- model: a small GPT (nanoGPT-style, no dropout so runs are deterministic) ----------------------------
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.qkv, self.proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.n_head, C // self.n_head).unbind(2)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(
+        self, n_layer: int, n_head: int, n_embd: int, block_size: int, vocab_size: int = 256
+    ) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.tok_emb, self.pos_emb = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))  # FSDP shards each block
+        self.ln_f, self.head = nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab_size, bias=False)
+
+    def init_weights(self) -> None:
+        """Called by ``acc.setup`` after the meta-device parameters get real storage."""
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                nn.init.ones_(p) if "ln" in name else nn.init.zeros_(p)
+            else:
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * len(self.blocks)) if "proj" in name else 0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+# ---- setup -------------------------------------------------------------------------------------------
+acc = Accelerator(
+    accelerator=args.accelerator, devices=args.devices, strategy=args.strategy, precision=args.precision
+)
+acc.launch()  # re-runs this script for ranks 1.. (a no-op under torchrun, `minifabric run` or SLURM)
+acc.seed_everything(args.seed)
+if acc.device.type == "cpu":  # share the cores between the local processes instead of oversubscribing
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // acc.world_size))
+out_dir = Path(args.out_dir)
+ckpt_path = out_dir / "checkpoint"
+
+data = stdlib_bytes(args.data_bytes)
+split = int(0.9 * len(data))
+train_data, val_data = data[:split], data[split:]
+baseline = unigram_baseline(train_data, val_data)
+loader = DataLoader(
+    Chunks(train_data, args.block_size), batch_size=args.batch_size, shuffle=True, drop_last=True
+)
+loader = acc.setup_dataloaders(loader)  # a distributed sampler: each rank its own part of every epoch
+val_set = Chunks(val_data, args.block_size)
+
+with acc.init_module(empty_init=True):  # parameters on the meta device: no memory until setup
+    model = GPT(args.n_layer, args.n_head, args.n_embd, args.block_size)
+n_params = sum(p.numel() for p in model.parameters())
+optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+
+
+def lr_factor(step: int) -> float:
+    """Linear warmup, then cosine decay to 10% of the peak."""
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+model, optimizer, scheduler = acc.setup(model, optimizer, scheduler=scheduler)  # shards, materializes, inits
+
+state = {
+    "model": model,
+    "optimizer": optimizer,
+    "scheduler": scheduler,
+    "loader": loader,
+    "step": 0,
+    "history": [],
+}
+
+
+@torch.no_grad()
+def evaluate(max_chunks: int | None = None) -> float:
+    """Mean validation loss over (up to ``max_chunks``) held-out chunks, split across ranks."""
+    model.eval()
+    n = len(val_set) if max_chunks is None else min(max_chunks, len(val_set))
+    mine = list(range(acc.global_rank, n, acc.world_size))
+    total, count = torch.zeros((), device=acc.device), torch.zeros((), device=acc.device)
+    for i in range(0, max(len(mine), 1), args.batch_size):
+        idx = mine[i : i + args.batch_size] or [0]  # every rank runs forward (FSDP gathers weights)
+        x, y = (t.to(acc.device) for t in default_collate([val_set[j] for j in idx]))
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")
+        if mine[i : i + args.batch_size]:
+            total, count = total + loss.float(), count + y.numel()
+    model.train()
+    total, count = acc.all_reduce(total, "sum"), acc.all_reduce(count, "sum")
+    return (total / count).item()
+
+
+acc.print(
+    f"{acc.world_size} x {acc.device.type} | strategy {args.strategy} | precision {args.precision} | "
+    f"{n_params / 1e6:.2f}M parameters | {len(train_data):,} train / {len(val_data):,} val bytes\n"
+    f"unigram baseline (val): {baseline:.4f} nats/byte"
+)
+if args.resume:
+    if not ckpt_path.exists():
+        sys.exit(f"--resume: no checkpoint at {str(ckpt_path)!r}; run without --resume first.")
+    acc.load(ckpt_path, state)  # in place: model, optimizer, scheduler, data position; plus step, history
+    acc.print(f"resumed from {ckpt_path} at step {state['step']}")
+history = state["history"]  # [(step, train loss, val loss or None)]
+
+
+# ---- train -------------------------------------------------------------------------------------------
+tokens_per_step = args.batch_size * args.block_size * args.grad_accum * acc.world_size
+batches = iter(loader)
+pending = None  # the asynchronous save in flight
+t0, t_start, step = time.perf_counter(), time.perf_counter(), state["step"]
+while step < args.max_steps:
+    loss_sum = torch.zeros((), device=acc.device)
+    for micro in range(args.grad_accum):
+        try:
+            x, y = next(batches)
+        except StopIteration:  # a new epoch: the loader reshuffles with the next epoch's seed
+            batches = iter(loader)
+            x, y = next(batches)
+        with acc.no_backward_sync(model, enabled=micro < args.grad_accum - 1):  # sync only on the last
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            acc.backward(loss / args.grad_accum)
+        loss_sum += loss.detach() / args.grad_accum
+    acc.clip_gradients(model, optimizer, max_norm=1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+    scheduler.step()
+    step += 1
+
+    train_loss = acc.all_reduce(loss_sum, "mean").item()
+    val_loss = evaluate(max_chunks=256) if step % args.eval_interval == 0 or step == args.max_steps else None
+    history.append((step, train_loss, val_loss))
+    if acc.is_global_zero:  # the progress bar
+        done = step / args.max_steps
+        tok_s = tokens_per_step * (step - state["step"]) / (time.perf_counter() - t0)
+        bar = "#" * int(30 * done) + "." * (30 - int(30 * done))
+        line = f"[{bar}] step {step}/{args.max_steps} loss {train_loss:.3f} lr {scheduler.get_last_lr()[0]:.2e} {tok_s:,.0f} tok/s"
+        tty = sys.stdout.isatty()  # redraw one line on a terminal, one line per step in a log file
+        print(("\r" + line) if tty else line, end="" if tty else "\n", flush=True)
+        if val_loss is not None:
+            print(
+                f"{chr(10) if tty else ''}  step {step}: val loss {val_loss:.4f} (unigram {baseline:.4f})",
+                flush=True,
+            )
+
+    if step % args.ckpt_interval == 0 or step == args.stop_at:
+        if pending is not None:
+            pending.wait()  # one save in flight at a time
+        # the checkpoint at ckpt_path stays whole until this one is committed
+        pending = acc.save(ckpt_path, {**state, "step": step, "history": history}, asynchronous=True)
+    if step == args.stop_at:
+        acc.print(f"stopping at step {step} (--stop-at); continue with --resume")
+        break
+
+if pending is not None:
+    pending.wait()
+elapsed = time.perf_counter() - t_start
+
+# ---- report, plot, sample ----------------------------------------------------------------------------
+if step == args.max_steps:
+    final = evaluate()  # the whole validation split
+    acc.print(
+        f"\ndone: {step} steps in {elapsed:.1f}s | final val loss {final:.4f} nats/byte vs unigram baseline"
+        f" {baseline:.4f} ({baseline - final:.2f} below)"
+    )
+    if acc.is_global_zero:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        log = {"final_val_loss": final, "unigram_baseline": baseline, "history": history}
+        (out_dir / "log.json").write_text(json.dumps(log))
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            plt.plot([h[0] for h in history], [h[1] for h in history], label="train")
+            plt.plot(
+                [h[0] for h in history if h[2]], [h[2] for h in history if h[2]], "o-", label="validation"
+            )
+            plt.axhline(baseline, color="gray", linestyle="--", label="unigram baseline")
+            plt.xlabel("step"), plt.ylabel("loss (nats/byte)"), plt.legend()
+            plt.savefig(out_dir / "loss.png", dpi=100)
+            print(f"wrote {out_dir / 'loss.png'}")
+        except ImportError:
+            print("matplotlib is not installed: no loss.png (pip install matplotlib)")
+
+if step == args.max_steps and args.sample_bytes > 0:
+    # every rank samples the same bytes (same generator): under FSDP each forward needs all ranks
+    model.eval()
+    gen = torch.Generator().manual_seed(args.seed)
+    idx = torch.tensor([list(b"def ")], device=acc.device)
+    with torch.no_grad():
+        for _ in range(args.sample_bytes):
+            logits = model(idx[:, -args.block_size :])[:, -1].float().cpu()
+            probs = F.softmax(logits / 0.8, dim=-1)
+            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=gen).to(acc.device)], dim=1)
+    acc.print("---- sample ----\n" + bytes(idx[0].tolist()).decode("utf-8", errors="replace"))
