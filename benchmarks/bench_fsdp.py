@@ -23,12 +23,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from minifabric import Accelerator  # noqa: E402
-from tests.helpers import run_distributed  # noqa: E402
-from tests.models import GPT, GPTConfig, gpt_loss  # noqa: E402
+from minifabric import Accelerator
+from tests.helpers import run_distributed
+from tests.models import GPT, GPTConfig, gpt_loss
 
 WORLD_SIZE = 2
 TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
@@ -123,7 +123,7 @@ def bench_step(args: argparse.Namespace) -> None:
         print(f"  {name:24s} median step {statistics.median(values) * 1e3:8.1f} ms  (rounds: {[round(v, 3) for v in values]})")
     for other in ("fsdp2_by_hand", "fabric_model_parallel"):
         # ratio within each round (same machine load), then the median over rounds
-        ratios = [a / b for a, b in zip(times["minifabric"], times[other])]
+        ratios = [a / b for a, b in zip(times["minifabric"], times[other], strict=True)]
         print(f"  minifabric / {other:22s} = {statistics.median(ratios):.3f}  (per round: {[round(r, 3) for r in ratios]})")
 
 

@@ -16,7 +16,15 @@ from torch.distributed.tensor import DTensor
 
 from minifabric import Accelerator
 from tests.helpers import run_distributed
-from tests.models import GPT, GPTConfig, gpt_loss, gpt_optimizer, micro_batches, reference_training, token_batches
+from tests.models import (
+    GPT,
+    GPTConfig,
+    gpt_loss,
+    gpt_optimizer,
+    micro_batches,
+    reference_training,
+    token_batches,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -126,7 +134,7 @@ def test_init_is_the_same_on_1_2_4_ranks_and_equals_eager_init() -> None:
     eager = eager_init(tied=True)
     assert_close_states(one, eager, atol=0)
     for world_size in (2, 4):
-        for rank, res in enumerate(fsdp_run(world_size)):
+        for res in fsdp_run(world_size):
             assert_close_states(res["init"], eager, atol=0)
 
 

@@ -15,7 +15,16 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from minifabric import Accelerator, FSDPStrategy, wrap
 from tests.helpers import run_distributed
-from tests.models import Block, GPT, GPTConfig, gpt_loss, gpt_optimizer, micro_batches, reference_training, token_batches
+from tests.models import (
+    GPT,
+    Block,
+    GPTConfig,
+    gpt_loss,
+    gpt_optimizer,
+    micro_batches,
+    reference_training,
+    token_batches,
+)
 
 pytestmark = pytest.mark.distributed
 

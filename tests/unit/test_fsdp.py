@@ -129,7 +129,7 @@ def test_optimizer_over_another_model_raises() -> None:
     acc = _accelerator()
     model = GPT()
     optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="not parameters of the GPT|holds no parameter"):
+    with pytest.raises(ValueError, match=r"not parameters of the GPT|holds no parameter"):
         acc.setup(model, optimizer)
 
 
