@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
+
+__all__ = ["check_torch_version", "checkpoint_activations", "tree_map"]
 
 MIN_TORCH_VERSION = (2, 6)
 

@@ -26,7 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--num-nodes", "--num_nodes", type=int, default=1, help="number of nodes (default: 1)")
     run.add_argument("--node-rank", "--node_rank", type=int, default=0, help="rank of this node (default: 0)")
     run.add_argument("--main-address", "--main_address", default="127.0.0.1", help="address of node 0")
-    run.add_argument("--main-port", "--main_port", type=int, default=29400, help="port on node 0 (default: 29400)")
+    run.add_argument(
+        "--main-port", "--main_port", type=int, default=29400, help="port on node 0 (default: 29400)"
+    )
     run.add_argument("--accelerator", choices=ACCELERATORS, default=None)
     run.add_argument("--strategy", choices=STRATEGIES, default=None)
     run.add_argument("--precision", choices=PRECISIONS, default=None)

@@ -6,9 +6,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+from minifabric._torch import tree_map
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
 
 
 def _world_size() -> int:
@@ -31,7 +37,9 @@ def _as_tensor(data: Any, device: torch.device) -> torch.Tensor:
 def all_reduce(data: Any, reduce_op: str, device: torch.device) -> Any:
     """Reduce every tensor (or number) in ``data`` over all ranks: ``"mean"``, ``"sum"``, ``"max"``, ``"min"``."""
     if reduce_op not in _REDUCE_OPS:
-        raise ValueError(f"Unknown reduce_op={reduce_op!r}. Choose one of {', '.join(map(repr, _REDUCE_OPS))}.")
+        raise ValueError(
+            f"Unknown reduce_op={reduce_op!r}. Choose one of {', '.join(map(repr, _REDUCE_OPS))}."
+        )
     world = _world_size()
 
     def reduce(value: Any) -> Any:

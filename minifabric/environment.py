@@ -25,6 +25,7 @@ from lightning_fabric.plugins.environments import (
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
+EXIT_BARRIER_TIMEOUT = timedelta(seconds=10)
 
 
 def detect_cluster_environment() -> ClusterEnvironment:
@@ -60,11 +61,22 @@ def default_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def destroy_process_group() -> None:
+def exit_barrier_group() -> dist.ProcessGroup | None:
+    """A gloo group whose only use is the barrier at exit, with a short timeout.
+
+    Being separate from the training group, its barrier can never be matched against a training
+    collective that another rank is still blocked in; the timeout bounds how long a rank that
+    finished waits for one that did not.
+    """
+    return dist.new_group(backend="gloo", timeout=EXIT_BARRIER_TIMEOUT)
+
+
+def destroy_process_group(barrier_group: dist.ProcessGroup | None = None) -> None:
     """Leave the default process group cleanly.
 
-    A final barrier after a garbage collection avoids an abort at interpreter exit seen with gloo
-    after DTensor collectives.
+    A garbage collection and a barrier before destroying the group avoid an abort at interpreter
+    exit seen with gloo after DTensor collectives. A barrier that times out (a rank left early or is
+    stuck) is not an error here: there is nobody left to wait for.
     """
     if not dist.is_initialized():
         return
@@ -72,6 +84,8 @@ def destroy_process_group() -> None:
 
     gc.collect()
     try:
-        dist.barrier()
+        dist.barrier(group=barrier_group)
+    except RuntimeError:
+        pass
     finally:
         dist.destroy_process_group()

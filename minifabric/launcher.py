@@ -198,9 +198,12 @@ def _spawn_entry(
     try:
         join()
         result = function(*args)
-    except BaseException:
+    except BaseException as error:
         sys.stderr.write(f"[minifabric] rank {local_rank} failed:\n{traceback.format_exc()}")
         sys.stderr.flush()
+        # torch.multiprocessing reports the exception itself, so the interpreter never records it as
+        # uncaught; record it as it would, so exit handlers know not to wait for the other ranks.
+        sys.last_value = error
         raise
     if local_rank == 0:
         results.put(result)

@@ -18,7 +18,8 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 from torch.optim import Optimizer
-from torch.utils._pytree import tree_map
+
+from minifabric._torch import tree_map
 
 PrecisionStr = Literal["32-true", "64-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"]
 PRECISIONS: tuple[str, ...] = get_args(PrecisionStr)
@@ -35,7 +36,9 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _cast_floats(data: Any, dtype: torch.dtype) -> Any:
-    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, data)
+    return tree_map(
+        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, data
+    )
 
 
 class Precision:

@@ -83,7 +83,9 @@ def _accelerator_type(accelerator: str) -> str:
     if accelerator == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if accelerator == "cuda" and not torch.cuda.is_available():
-        raise ValueError('accelerator="cuda" was requested but CUDA is not available. Use Accelerator(accelerator="cpu").')
+        raise ValueError(
+            'accelerator="cuda" was requested but CUDA is not available. Use Accelerator(accelerator="cpu").'
+        )
     return accelerator
 
 
@@ -91,7 +93,9 @@ def _device_indices(devices: Any, accelerator: str) -> list[int] | None:
     """Indices for a list of devices, else None; validates ``devices``."""
     if isinstance(devices, (list, tuple)):
         if not devices or not all(isinstance(d, int) and d >= 0 for d in devices):
-            raise ValueError(f"devices={devices!r} must be a non-empty list of device indices, e.g. devices=[0, 1].")
+            raise ValueError(
+                f"devices={devices!r} must be a non-empty list of device indices, e.g. devices=[0, 1]."
+            )
         return list(devices)
     if devices == "auto" or (isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1):
         return None
@@ -125,7 +129,7 @@ def resolve(
             raise ValueError(
                 f"{type(environment).__name__} started {environment.world_size()} processes, but"
                 f" Accelerator(devices={devices!r}, num_nodes={num_nodes!r}) expects"
-                f" {expected * num_nodes}. Pass devices=\"auto\" to take the launcher's numbers."
+                f' {expected * num_nodes}. Pass devices="auto" to take the launcher\'s numbers.'
             )
     else:
         if num_nodes > 1:

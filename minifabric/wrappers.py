@@ -142,7 +142,7 @@ class _WrappedDataLoader:
 
     def __iter__(self) -> Iterator[Any]:
         sampler = getattr(self._dataloader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
+        if sampler is not None and hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self._epoch)
         start, self._start = self._start, 0
         if start and not hasattr(sampler, "start_index"):

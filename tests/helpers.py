@@ -45,7 +45,7 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, args: tuple, que
         queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     finally:
         import torch.distributed as dist
 
@@ -94,7 +94,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                         break
                     raise RuntimeError(
                         f"ranks {dead} died without a result (exit codes {[procs[i].exitcode for i in dead]})"
-                    )
+                    ) from None
                 continue
             (results if status == "ok" else errors)[rank] = value
             if errors:

@@ -104,7 +104,9 @@ def gpt_optimizer(model: nn.Module, lr: float = 1e-2) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
 
-def micro_batches(batch: torch.Tensor, world_size: int, rank: int, accumulate: int) -> tuple[torch.Tensor, ...]:
+def micro_batches(
+    batch: torch.Tensor, world_size: int, rank: int, accumulate: int
+) -> tuple[torch.Tensor, ...]:
     """Rank ``rank``'s micro-batches of a global batch: its contiguous slice, cut into ``accumulate`` parts."""
     return batch.chunk(world_size)[rank].chunk(accumulate)
 
@@ -132,7 +134,9 @@ def reference_training(
     for batch in batches:
         step_losses = [0.0] * world_size
         for i in range(accumulate):
-            per_rank = [gpt_loss(model, micro_batches(batch, world_size, r, accumulate)[i]) for r in range(world_size)]
+            per_rank = [
+                gpt_loss(model, micro_batches(batch, world_size, r, accumulate)[i]) for r in range(world_size)
+            ]
             (torch.stack(per_rank).mean() / accumulate).backward()
             for r, loss in enumerate(per_rank):
                 step_losses[r] += loss.item() / accumulate

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Generator
+from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import Any, ContextManager, Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.optim import Optimizer
 
-from minifabric.environment import DEFAULT_TIMEOUT, default_backend, init_process_group
+from minifabric.environment import DEFAULT_TIMEOUT
 from minifabric.strategies.fsdp_grads import clip_grad_norm_
 from minifabric.strategies.fsdp_init import materialize_sharded
 from minifabric.strategies.fsdp_wrap import (
@@ -107,10 +108,7 @@ class FSDPStrategy(Strategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        # fully_shard needs a process group even when there is only one process.
-        if not dist.is_initialized():
-            backend = self.process_group_backend or default_backend(self.root_device)
-            init_process_group(self.environment, backend, self.timeout)
+        self._init_process_group()  # fully_shard needs a process group even with one process
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -232,22 +230,28 @@ def _check_options(
     if sharding_strategy not in SHARDING_STRATEGIES:
         raise ValueError(
             f"Unknown sharding_strategy={sharding_strategy!r}. Choose one of"
-            f" {', '.join(map(repr, SHARDING_STRATEGIES))}, e.g. `FSDPStrategy(sharding_strategy=\"FULL_SHARD\")`."
+            f' {", ".join(map(repr, SHARDING_STRATEGIES))}, e.g. `FSDPStrategy(sharding_strategy="FULL_SHARD")`.'
         )
     if state_dict_type not in STATE_DICT_TYPES:
         raise ValueError(
-            f"Unknown state_dict_type={state_dict_type!r}. Choose \"sharded\" or \"full\", e.g."
+            f'Unknown state_dict_type={state_dict_type!r}. Choose "sharded" or "full", e.g.'
             ' `FSDPStrategy(state_dict_type="full")`.'
         )
     if not isinstance(cpu_offload, bool):
-        raise TypeError(f"cpu_offload must be True or False, got {cpu_offload!r}: `FSDPStrategy(cpu_offload=True)`.")
+        raise TypeError(
+            f"cpu_offload must be True or False, got {cpu_offload!r}: `FSDPStrategy(cpu_offload=True)`."
+        )
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
         raise TypeError(
             f"mixed_precision must be a torch.distributed.fsdp.MixedPrecisionPolicy, got {mixed_precision!r}:"
             " `FSDPStrategy(mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16))`, or set"
             ' `Accelerator(precision="bf16-mixed")`.'
         )
-    if auto_wrap_policy is not None and not callable(auto_wrap_policy) and not _is_class_set(auto_wrap_policy):
+    if (
+        auto_wrap_policy is not None
+        and not callable(auto_wrap_policy)
+        and not _is_class_set(auto_wrap_policy)
+    ):
         raise TypeError(
             f"auto_wrap_policy must be None, a set of nn.Module classes or a callable (module, name) -> bool,"
             f" got {auto_wrap_policy!r}, e.g. `FSDPStrategy(auto_wrap_policy={{Block}})`."

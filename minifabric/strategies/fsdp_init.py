@@ -94,7 +94,7 @@ def resets_at_full_size(module: nn.Module) -> Iterator[None]:
         reset = getattr(sub, "reset_parameters", None)
         if callable(reset) and any(p is not None for p in sub._parameters.values()):
             patched.append((sub, sub.__dict__.get("reset_parameters")))
-            sub.reset_parameters = _reset_at_full_size(sub, reset)  # type: ignore[method-assign]
+            sub.reset_parameters = _reset_at_full_size(sub, reset)  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -102,7 +102,7 @@ def resets_at_full_size(module: nn.Module) -> Iterator[None]:
             if previous is None:
                 del sub.reset_parameters
             else:
-                sub.reset_parameters = previous  # type: ignore[method-assign]
+                sub.reset_parameters = previous  # type: ignore[method-assign,assignment]
 
 
 def initialize_sharded(module: nn.Module, rng_state: torch.Tensor | None) -> None:

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ _CHECKPOINTED = "_minifabric_checkpointed"
 
 ShardingStr = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 #: ``None`` (find repeated blocks), a set of module classes, or ``(module, name) -> bool``.
-WrapPolicy = Union[None, set[type[nn.Module]], Callable[[nn.Module, str], bool]]
+WrapPolicy = set[type[nn.Module]] | Callable[[nn.Module, str], bool] | None
 
 
 def build_mesh(
@@ -119,7 +119,8 @@ def _splits_tied(block: nn.Module, groups: list[list[tuple[nn.Module, str]]]) ->
     """Whether ``block`` holds a parameter that is shared with a module outside it."""
     inside = set(map(id, block.modules()))
     return any(
-        any(id(m) in inside for m, _ in group) and not all(id(m) in inside for m, _ in group) for group in groups
+        any(id(m) in inside for m, _ in group) and not all(id(m) in inside for m, _ in group)
+        for group in groups
     )
 
 
@@ -135,7 +136,9 @@ def select_blocks(module: nn.Module, policy: WrapPolicy) -> list[nn.Module]:
     if policy is None:
         classes = tuple(repeated_block_classes(module))
         names = sorted(cls.__name__ for cls in classes)
-        log.info("FSDP auto-wrap: sharding each %s as its own unit", ", ".join(names) or "(no repeated block)")
+        log.info(
+            "FSDP auto-wrap: sharding each %s as its own unit", ", ".join(names) or "(no repeated block)"
+        )
         matches: Callable[[nn.Module, str], bool] = lambda m, _: bool(classes) and isinstance(m, classes)  # noqa: E731
     elif isinstance(policy, (set, frozenset)):
         matches = lambda m, _: isinstance(m, tuple(policy))  # noqa: E731
@@ -203,7 +206,11 @@ def shard_module(
 ) -> nn.Module:
     """``fully_shard`` one module in place and return it."""
     fully_shard(
-        module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, offload_policy=offload
+        module,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy,
+        offload_policy=offload,
     )
     return module
 
@@ -231,5 +238,7 @@ def shard_model(
             offload=offload,
         )
     # FSDP2 never reshards the root after forward (backward would gather it again at once).
-    shard_module(module, mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, offload=offload)
+    shard_module(
+        module, mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, offload=offload
+    )
     return module

@@ -41,8 +41,8 @@ def rebind_optimizer(optimizer: Optimizer, names_before: dict[int, str], module:
     new_groups = [[current[names_before[id(p)]] for p in group["params"]] for group in optimizer.param_groups]
     replaced = any(
         new is not old
-        for new_params, group in zip(new_groups, optimizer.param_groups)
-        for new, old in zip(new_params, group["params"])
+        for new_params, group in zip(new_groups, optimizer.param_groups, strict=True)
+        for new, old in zip(new_params, group["params"], strict=True)
     )
     if replaced and optimizer.state:
         raise RuntimeError(
@@ -50,5 +50,5 @@ def rebind_optimizer(optimizer: Optimizer, names_before: dict[int, str], module:
             " replaced the parameters it refers to. Call `acc.setup(model, optimizer)` before the first"
             " `optimizer.step()`."
         )
-    for new_params, group in zip(new_groups, optimizer.param_groups):
+    for new_params, group in zip(new_groups, optimizer.param_groups, strict=True):
         group["params"] = new_params

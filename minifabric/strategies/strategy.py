@@ -7,13 +7,16 @@ what differs; the :class:`~minifabric.Accelerator` facade never branches on the 
 
 from __future__ import annotations
 
+import atexit
+import sys
 from collections.abc import Generator
+from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from datetime import timedelta
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ContextManager
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -22,7 +25,13 @@ from torch import nn
 from torch.optim import Optimizer
 
 from minifabric import collectives
-from minifabric.environment import DEFAULT_TIMEOUT, default_backend, destroy_process_group, init_process_group
+from minifabric.environment import (
+    DEFAULT_TIMEOUT,
+    default_backend,
+    destroy_process_group,
+    exit_barrier_group,
+    init_process_group,
+)
 from minifabric.launcher import JoinLauncher, Launcher, LocalLauncher, install_rank_excepthook, watch_parent
 from minifabric.precision import Precision
 from minifabric.strategies.meta_init import materialize, meta_init_context
@@ -113,12 +122,28 @@ class Strategy:
         if self.world_size > 1:
             install_rank_excepthook(self.global_rank)
             watch_parent()
-            backend = self.process_group_backend or default_backend(self.root_device)
-            init_process_group(self.environment, backend, self.timeout)
+            self._init_process_group()
+
+    def _init_process_group(self) -> None:
+        if dist.is_initialized():
+            return
+        backend = self.process_group_backend or default_backend(self.root_device)
+        init_process_group(self.environment, backend, self.timeout)
+        self._exit_group = exit_barrier_group()
+        atexit.register(self._teardown_at_exit)
 
     def teardown(self) -> None:
-        """Leave the process group."""
-        destroy_process_group()
+        """Wait for a checkpoint still being written, then leave the process group."""
+        if "checkpointer" in self.__dict__:
+            self.checkpointer.wait()
+        destroy_process_group(getattr(self, "_exit_group", None))
+
+    def _teardown_at_exit(self) -> None:
+        # After an uncaught exception the other ranks may never reach a barrier: leave at once
+        # (the launcher ends them). Otherwise leave together, which also avoids an abort at exit
+        # seen with gloo after DTensor collectives.
+        if getattr(sys, "last_value", None) is None:
+            self.teardown()
 
     # ---- modules and optimizers --------------------------------------------------------------
 

@@ -34,7 +34,8 @@ STEPS, BATCH, ACCUMULATE, MAX_NORM = 20, 8, 2, 1.0
 def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every rank's view of the full (unsharded) state dict."""
     return {
-        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in module.state_dict().items()
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        for k, v in module.state_dict().items()
     }
 
 
@@ -104,7 +105,9 @@ def eager_init(tied: bool) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in GPT(GPTConfig(tied=tied)).state_dict().items()}
 
 
-def assert_close_states(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float, rtol: float = 0) -> None:
+def assert_close_states(
+    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float, rtol: float = 0
+) -> None:
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], atol=atol, rtol=rtol, msg=lambda m, k=key: f"{k}: {m}")
@@ -112,11 +115,18 @@ def assert_close_states(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
 
 def check_against_reference(results: list[dict[str, Any]], world_size: int, atol: float) -> None:
     ref_losses, ref_norms, ref_final = reference_training(
-        results[0]["init"], GPTConfig(), token_batches(STEPS, BATCH, GPTConfig()), world_size, ACCUMULATE, MAX_NORM
+        results[0]["init"],
+        GPTConfig(),
+        token_batches(STEPS, BATCH, GPTConfig()),
+        world_size,
+        ACCUMULATE,
+        MAX_NORM,
     )
     for rank, res in enumerate(results):
         assert res["tied"], f"rank {rank}: output layer no longer tied to the embedding"
-        assert res["opt_params_are_model_params"], f"rank {rank}: optimizer not rebound to the sharded parameters"
+        assert res["opt_params_are_model_params"], (
+            f"rank {rank}: optimizer not rebound to the sharded parameters"
+        )
         assert res["groups"] == results[0]["groups"] and [g[1] for g in res["groups"]] == [0.1, 0.0]
         losses = [step[rank] for step in ref_losses]
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(losses), atol=atol, rtol=0)

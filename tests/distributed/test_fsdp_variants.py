@@ -33,7 +33,10 @@ UNTIED = GPTConfig(tied=False)
 
 
 def _full(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in module.state_dict().items()}
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        for k, v in module.state_dict().items()
+    }
 
 
 class ManualGPT(GPT):
@@ -133,15 +136,23 @@ def reference() -> tuple[list[list[float]], dict[str, torch.Tensor]]:
         "user_fully_shard",
     ],
 )
-def test_variant_trains_like_single_process(variants: list[dict[str, Any]], reference: Any, case: str) -> None:
+def test_variant_trains_like_single_process(
+    variants: list[dict[str, Any]], reference: Any, case: str
+) -> None:
     ref_losses, eager_init = reference
     for rank, res in enumerate(variants):
         for key, value in eager_init.items():
-            assert torch.equal(res[case]["init"][key], value), f"rank {rank} {case}: {key} differs from eager init"
-        torch.testing.assert_close(torch.tensor(res[case]["losses"]), torch.tensor([s[rank] for s in ref_losses]), atol=1e-5, rtol=0)
+            assert torch.equal(res[case]["init"][key], value), (
+                f"rank {rank} {case}: {key} differs from eager init"
+            )
+        torch.testing.assert_close(
+            torch.tensor(res[case]["losses"]), torch.tensor([s[rank] for s in ref_losses]), atol=1e-5, rtol=0
+        )
 
 
-def test_manual_wrapping_and_checkpointing_give_the_same_losses_as_plain_fsdp(variants: list[dict[str, Any]]) -> None:
+def test_manual_wrapping_and_checkpointing_give_the_same_losses_as_plain_fsdp(
+    variants: list[dict[str, Any]],
+) -> None:
     for res in variants:
         for case in ("manual_wrap", "user_fully_shard", "activation_checkpointing", "callable_policy"):
             assert res[case]["losses"] == res["FULL_SHARD"]["losses"], case
@@ -172,11 +183,15 @@ def _hybrid(rank: int) -> dict[str, Any]:
 def test_hybrid_shard_on_a_2x2_mesh(reference: Any) -> None:
     torch.manual_seed(0)
     init = GPT(UNTIED).state_dict()
-    ref_losses, _, _ = reference_training(init, UNTIED, token_batches(STEPS, BATCH, UNTIED), 4, 1, max_norm=1e9)
+    ref_losses, _, _ = reference_training(
+        init, UNTIED, token_batches(STEPS, BATCH, UNTIED), 4, 1, max_norm=1e9
+    )
     for rank, res in enumerate(run_distributed(_hybrid, 4, timeout=240)):
         assert res["mesh"] == (2, 2) and res["world"] == 4
         assert res["placements"] == {(Replicate(), Shard(0))}
-        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor([s[rank] for s in ref_losses]), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(res["losses"]), torch.tensor([s[rank] for s in ref_losses]), atol=1e-5, rtol=0
+        )
 
 
 def _fp16_scaler(rank: int) -> dict[str, Any]:

@@ -74,7 +74,11 @@ def test_policy_matching_nothing_or_a_tied_module_raises() -> None:
 
 def test_precision_maps_to_mixed_precision_policy() -> None:
     bf16 = mixed_precision_policy(precision_from_string("bf16-mixed", "cpu"))
-    assert (bf16.param_dtype, bf16.reduce_dtype, bf16.output_dtype) == (torch.bfloat16, torch.float32, torch.float32)
+    assert (bf16.param_dtype, bf16.reduce_dtype, bf16.output_dtype) == (
+        torch.bfloat16,
+        torch.float32,
+        torch.float32,
+    )
     assert inner_policy(bf16).output_dtype is None
     assert mixed_precision_policy(precision_from_string("16-mixed", "cpu")).param_dtype == torch.float16
     assert mixed_precision_policy(precision_from_string("bf16-true", "cpu")) == MixedPrecisionPolicy()
