@@ -1,8 +1,9 @@
 """The checkpoint service a strategy owns: one save or load at a time, synchronous or in the background.
 
 ``save`` gathers what to write on the calling thread (state dicts, each rank's RNG and stateful
-states) and, for an asynchronous save, a CPU copy of every tensor; the files are then written and
-committed on a background thread over the checkpoint's own gloo group. A later save or load waits
+states). For an asynchronous save a background thread then copies every tensor to CPU (the next
+``optimizer.step()`` waits for that copy) and writes and commits the copy over the checkpoint's own
+gloo group, while training goes on. A later save or load waits
 for that write first; the thread is not a daemon, so the interpreter also waits for it at exit.
 """
 
@@ -12,6 +13,9 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from minifabric.checkpoint import full, restore, rng, sharded
 from minifabric.checkpoint.comm import Comm
@@ -73,6 +77,8 @@ class Checkpointer:
         self._pending: SaveHandle | None = None
         # CPU copies of the last asynchronous save, reused by the next one (one model copy in RAM).
         self._buffers: dict[str, Any] = {}
+        # step pre-hooks that hold optimizers back until an asynchronous save has copied the state
+        self._hooks: list[RemovableHandle] = []
 
     @property
     def comm(self) -> Comm:
@@ -84,8 +90,13 @@ class Checkpointer:
     def wait(self) -> None:
         """Wait for an asynchronous save still in flight; raise if it failed."""
         pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.wait()
+        hooks, self._hooks = self._hooks, []
+        try:
+            if pending is not None:
+                pending.wait()
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     def save(self, path: Path, state: dict[str, Any], *, asynchronous: bool = False) -> SaveHandle | None:
         """Write ``state`` to ``path`` (collective: every rank calls it)."""
@@ -114,19 +125,46 @@ class Checkpointer:
         if form == "sharded":
             tree, tensors = sharded.split_entries(collected, entry_kinds)
             side = {FORMAT_KEY: meta, "state": tree} if comm.is_zero else None
-            if asynchronous:
-                side, tensors = stage(side), stage(tensors, self._buffers)
-            write = lambda: sharded.write(comm, path, staging, side, tensors)  # noqa: E731
+            if not asynchronous:
+                sharded.write(comm, path, staging, side, tensors)
+                return None
+            side = stage(side)
+            write = self._staged_write(state, tensors, lambda t: sharded.write(comm, path, staging, side, t))
         else:
             payload = {FORMAT_KEY: meta, "state": collected} if comm.is_zero else None
-            if asynchronous:
-                payload = stage(payload, self._buffers)
-            write = lambda: full.write(comm, path, payload)  # noqa: E731
-        if not asynchronous:
-            write()
-            return None
+            if not asynchronous:
+                full.write(comm, path, payload)
+                return None
+            write = self._staged_write(state, payload, lambda p: full.write(comm, path, p))
         self._pending = SaveHandle(path, write)
         return self._pending
+
+    def _staged_write(
+        self, state: dict[str, Any], tensors: Any, write: Callable[[Any], None]
+    ) -> Callable[[], None]:
+        """The background job of an asynchronous save: copy the tensors to CPU, then write the copy.
+
+        The copy is taken on the background thread too, so ``save`` returns at once. Forward and
+        backward only read parameters and optimizer state; ``optimizer.step()`` changes them in place,
+        so until the copy is complete every optimizer in ``state`` waits for it before stepping.
+        """
+        copied = threading.Event()
+
+        def hold_step(*_: Any) -> None:
+            copied.wait()
+
+        for obj in state.values():
+            if isinstance(obj, Optimizer):
+                self._hooks.append(obj.register_step_pre_hook(hold_step))
+
+        def job() -> None:
+            try:
+                staged = stage(tensors, self._buffers)
+            finally:
+                copied.set()
+            write(staged)
+
+        return job
 
     def load(self, path: Path, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
         """Restore ``state`` in place from ``path``; return the entries it did not ask for."""

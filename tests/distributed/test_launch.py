@@ -140,3 +140,29 @@ def test_two_simulated_nodes_form_one_world():
     assert results[0][0] == results[1][1]  # world of 2, identical parameters
     assert results[0][0][0] == 2
     assert "node=0" in outputs[0] and "node=1" in outputs[1]
+
+
+_IDLE_SCRIPT = """
+import os, sys, time
+from minifabric import Accelerator
+
+acc = Accelerator(accelerator="cpu", devices=2)
+acc.launch()
+print(f"PID rank={acc.global_rank} pid={os.getpid()}", flush=True)
+if acc.global_rank == int(sys.argv[1]):
+    time.sleep(1.0)
+    print(f"FAILING at={time.time()}", flush=True)
+    raise RuntimeError("planned failure outside any collective")
+time.sleep(60)  # the other rank is in no collective: only the launcher can end it
+"""
+
+
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_the_script_launcher_ends_ranks_that_wait_in_no_collective(tmp_path, failing_rank):
+    script = tmp_path / "idle.py"
+    script.write_text(_IDLE_SCRIPT)
+    code, output, ended = _run([PYTHON, str(script), str(failing_rank)], timeout=90)
+    assert code != 0, output
+    failed_at = float(re.search(r"FAILING at=(\S+)", output).group(1))
+    assert ended - failed_at < FAIL_FAST_SECONDS, output
+    assert f"rank {failing_rank} failed with RuntimeError: planned failure" in output, output
