@@ -67,7 +67,9 @@ def _step_worker(rank: int, steps: int, rounds: int) -> dict[str, list[float]]:
     from lightning_fabric.strategies import ModelParallelStrategy
     from torch.distributed.device_mesh import init_device_mesh
 
-    batch = torch.randint(0, STEP_CFG.vocab_size, (2, STEP_CFG.block_size + 1), generator=torch.Generator().manual_seed(rank))
+    batch = torch.randint(
+        0, STEP_CFG.vocab_size, (2, STEP_CFG.block_size + 1), generator=torch.Generator().manual_seed(rank)
+    )
 
     acc = Accelerator(accelerator="cpu", strategy="fsdp", devices=WORLD_SIZE)
     acc.launch()
@@ -89,7 +91,9 @@ def _step_worker(rank: int, steps: int, rounds: int) -> dict[str, list[float]]:
         hand_opt.step()
         hand_opt.zero_grad()
 
-    strategy = ModelParallelStrategy(_fabric_parallelize, data_parallel_size=WORLD_SIZE, tensor_parallel_size=1)
+    strategy = ModelParallelStrategy(
+        _fabric_parallelize, data_parallel_size=WORLD_SIZE, tensor_parallel_size=1
+    )
     fabric = Fabric(accelerator="cpu", devices=WORLD_SIZE, strategy=strategy)
     fabric.launch()
     fabric_model = fabric.setup_module(GPT(STEP_CFG))
@@ -102,10 +106,15 @@ def _step_worker(rank: int, steps: int, rounds: int) -> dict[str, list[float]]:
 
     loops = {"minifabric": minifabric_step, "fsdp2_by_hand": hand_step, "fabric_model_parallel": fabric_step}
     times: dict[str, list[float]] = {name: [] for name in loops}
-    for step in loops.values():  # warm-up
+    for step in loops.values():  # warm-up: optimizer state, allocator pools, gloo buffers
         step()
-    for _ in range(rounds):  # interleaved, so machine load hits every loop alike
-        for name, step in loops.items():
+        step()
+    names = list(loops)
+    for round_index in range(rounds):
+        # interleaved, so machine load hits every loop alike; the order rotates so no loop always goes first
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            step = loops[name]
             dist.barrier()
             start = time.perf_counter()
             for _ in range(steps):
@@ -118,13 +127,19 @@ def _step_worker(rank: int, steps: int, rounds: int) -> dict[str, list[float]]:
 def bench_step(args: argparse.Namespace) -> None:
     results = run_distributed(_step_worker, WORLD_SIZE, args.steps, args.rounds, timeout=1200)
     times = results[0]
-    print(f"GPT {n_params(STEP_CFG) / 1e6:.1f}M params, {WORLD_SIZE} ranks, {args.rounds} rounds x {args.steps} steps")
+    print(
+        f"GPT {n_params(STEP_CFG) / 1e6:.1f}M params, {WORLD_SIZE} ranks, {args.rounds} rounds x {args.steps} steps"
+    )
     for name, values in times.items():
-        print(f"  {name:24s} median step {statistics.median(values) * 1e3:8.1f} ms  (rounds: {[round(v, 3) for v in values]})")
+        print(
+            f"  {name:24s} median step {statistics.median(values) * 1e3:8.1f} ms  (rounds: {[round(v, 3) for v in values]})"
+        )
     for other in ("fsdp2_by_hand", "fabric_model_parallel"):
         # ratio within each round (same machine load), then the median over rounds
         ratios = [a / b for a, b in zip(times["minifabric"], times[other], strict=True)]
-        print(f"  minifabric / {other:22s} = {statistics.median(ratios):.3f}  (per round: {[round(r, 3) for r in ratios]})")
+        print(
+            f"  minifabric / {other:22s} = {statistics.median(ratios):.3f}  (per round: {[round(r, 3) for r in ratios]})"
+        )
 
 
 # ---- peak memory ----------------------------------------------------------------------------------
@@ -154,12 +169,17 @@ def bench_memory(args: argparse.Namespace) -> None:
         saved = dict(os.environ)
         os.environ.update(env)  # spawned ranks start with it, so glibc reads it at startup
         try:
-            peaks = {s: run_distributed(_memory_worker, WORLD_SIZE, s, args.steps, timeout=900) for s in ("fsdp", "ddp")}
+            peaks = {
+                s: run_distributed(_memory_worker, WORLD_SIZE, s, args.steps, timeout=900)
+                for s in ("fsdp", "ddp")
+            }
         finally:
             os.environ.clear()
             os.environ.update(saved)
         fsdp, ddp = max(peaks["fsdp"]), max(peaks["ddp"])
-        print(f"  {label:28s} peak RSS/rank: fsdp {fsdp:7.0f} MiB, ddp {ddp:7.0f} MiB, fsdp/ddp = {fsdp / ddp:.3f}")
+        print(
+            f"  {label:28s} peak RSS/rank: fsdp {fsdp:7.0f} MiB, ddp {ddp:7.0f} MiB, fsdp/ddp = {fsdp / ddp:.3f}"
+        )
 
 
 # ---- meta-device init -----------------------------------------------------------------------------
@@ -181,17 +201,23 @@ def _init_worker(rank: int, cfg: GPTConfig, empty_init: bool) -> tuple[float, fl
 def bench_init(args: argparse.Namespace) -> None:
     cfg = GPTConfig(vocab_size=8192, block_size=64, n_layer=args.layers, n_head=16, n_embd=2048, tied=True)
     print(f"GPT {n_params(cfg) / 1e9:.2f}B params, {WORLD_SIZE} ranks, setup with FSDP")
-    res = {empty: run_distributed(_init_worker, WORLD_SIZE, cfg, empty, timeout=1200) for empty in (True, False)}
+    res = {
+        empty: run_distributed(_init_worker, WORLD_SIZE, cfg, empty, timeout=1200) for empty in (True, False)
+    }
     for empty, label in ((True, "init_module(empty_init=True)"), (False, "eager (empty_init=False)")):
         wall = max(r[0] for r in res[empty])
         rss = max(r[1] for r in res[empty])
         print(f"  {label:30s} wall {wall:6.1f} s  peak RSS/rank {rss:7.0f} MiB")
     print(f"  peak RSS ratio meta/eager = {max(r[1] for r in res[True]) / max(r[1] for r in res[False]):.3f}")
-    print(f"  wall time ratio meta/eager = {max(r[0] for r in res[True]) / max(r[0] for r in res[False]):.3f}")
+    print(
+        f"  wall time ratio meta/eager = {max(r[0] for r in res[True]) / max(r[0] for r in res[False]):.3f}"
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="bench", required=True)
     step = sub.add_parser("step")
     step.add_argument("--steps", type=int, default=2)
