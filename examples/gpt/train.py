@@ -18,7 +18,7 @@ checkpoint (saved in the background every ``--ckpt-interval`` steps), bit for bi
 was never interrupted (model, optimizer, LR schedule, data position and RNG are all restored).
 At the end it prints the validation loss next to the unigram baseline, writes ``loss.png``
 (``pip install matplotlib``) and samples some text. Measured with the defaults on a 2-core CPU
-machine, Python 3.11, torch 2.13: 200 steps in 35.5 s of training (47 s in all), final validation
+machine, Python 3.11, torch 2.13: 200 steps in 35-51 s of training (47-69 s in all, three runs), final validation
 loss 2.56 nats/byte against a unigram baseline of 3.06 (the validation loss was still falling:
 more ``--max-steps`` and a bigger model learn more).
 """
