@@ -125,7 +125,9 @@ def _step_worker(rank: int, steps: int, rounds: int) -> dict[str, list[float]]:
 
 
 def bench_step(args: argparse.Namespace) -> None:
-    results = run_distributed(_step_worker, WORLD_SIZE, args.steps, args.rounds, timeout=1200)
+    results = run_distributed(
+        _step_worker, WORLD_SIZE, args.steps, args.rounds, timeout=1200, start_method="spawn"
+    )
     times = results[0]
     print(
         f"GPT {n_params(STEP_CFG) / 1e6:.1f}M params, {WORLD_SIZE} ranks, {args.rounds} rounds x {args.steps} steps"
@@ -170,7 +172,9 @@ def bench_memory(args: argparse.Namespace) -> None:
         os.environ.update(env)  # spawned ranks start with it, so glibc reads it at startup
         try:
             peaks = {
-                s: run_distributed(_memory_worker, WORLD_SIZE, s, args.steps, timeout=900)
+                s: run_distributed(
+                    _memory_worker, WORLD_SIZE, s, args.steps, timeout=900, start_method="spawn"
+                )
                 for s in ("fsdp", "ddp")
             }
         finally:
@@ -202,7 +206,8 @@ def bench_init(args: argparse.Namespace) -> None:
     cfg = GPTConfig(vocab_size=8192, block_size=64, n_layer=args.layers, n_head=16, n_embd=2048, tied=True)
     print(f"GPT {n_params(cfg) / 1e9:.2f}B params, {WORLD_SIZE} ranks, setup with FSDP")
     res = {
-        empty: run_distributed(_init_worker, WORLD_SIZE, cfg, empty, timeout=1200) for empty in (True, False)
+        empty: run_distributed(_init_worker, WORLD_SIZE, cfg, empty, timeout=1200, start_method="spawn")
+        for empty in (True, False)
     }
     for empty, label in ((True, "init_module(empty_init=True)"), (False, "eager (empty_init=False)")):
         wall = max(r[0] for r in res[empty])

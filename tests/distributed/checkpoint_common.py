@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
-import pickle
-import queue as queue_module
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,84 +12,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from minifabric import Accelerator
-from tests.helpers import free_port
-
-# Ranks fork from a server that has imported torch and minifabric once: a 2-rank run then starts in
-# well under a second instead of re-importing everything per process (the spawn start method).
-_CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "minifabric", __name__])
-
-
-def _rank_main(fn: Callable, rank: int, world_size: int, port: int, args: tuple, box: Any) -> None:
-    import os
-    import traceback
-
-    import torch.distributed as dist
-
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-        RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1",
-    )  # fmt: skip
-    torch.set_num_threads(1)
-    try:
-        # Plain pickle copies tensors into the message (the queue's own pickler would share them
-        # through file descriptors that die with this process).
-        box.put((rank, "ok", pickle.dumps(fn(rank, *args))))
-    except BaseException:
-        box.put((rank, "error", traceback.format_exc()))
-        raise SystemExit(1) from None
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+from tests.helpers import run_distributed
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60) -> list[Any]:
-    """Call ``fn(rank, *args)`` on ``world_size`` fresh processes; return every rank's result.
-
-    Raises ``RuntimeError`` if a rank dies without a result (e.g. killed), ``AssertionError`` with the
-    tracebacks if a rank raises, ``TimeoutError`` after ``timeout`` seconds; never hangs.
-    """
-    results: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    box = _CONTEXT.Queue()
-    port = free_port()
-    procs = [
-        _CONTEXT.Process(target=_rank_main, args=(fn, r, world_size, port, args, box))
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) + len(errors) < world_size and not errors:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{fn.__name__} on {world_size} ranks exceeded {timeout}s; finished: {sorted(results)}"
-                )
-            try:
-                rank, status, value = box.get(timeout=0.2)
-                (results if status == "ok" else errors)[rank] = value
-            except queue_module.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
-                if dead:
-                    time.sleep(0.5)  # let a failing rank's traceback arrive
-                    while not box.empty():
-                        rank, status, value = box.get()
-                        (results if status == "ok" else errors)[rank] = value
-                    if not errors:
-                        raise RuntimeError(
-                            f"ranks {dead} died without a result (exit codes {[procs[r].exitcode for r in dead]})"
-                        ) from None
-    finally:
-        grace = 5 if len(results) == world_size else 0.5
-        for p in procs:
-            p.join(timeout=grace)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if errors:
-        raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(errors.items())))
-    return [pickle.loads(results[r]) for r in range(world_size)]
+    """:func:`tests.helpers.run_distributed` with the shorter timeout of the checkpoint tests."""
+    return run_distributed(fn, world_size, *args, timeout=timeout)
 
 
 class Net(nn.Module):
