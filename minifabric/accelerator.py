@@ -23,7 +23,7 @@ from minifabric.checkpoint.state import is_stateful
 from minifabric.data import distributed_dataloader
 from minifabric.precision import Precision, PrecisionStr
 from minifabric.resolve import AcceleratorStr, StrategyStr, apply_cli_settings, resolve
-from minifabric.strategies.rebind import parameter_names, rebind_optimizer
+from minifabric.strategies.rebind import optimizer_parameters, parameter_names, rebind_optimizer
 from minifabric.strategies.strategy import Strategy
 from minifabric.wrappers import _WrappedDataLoader, _WrappedModule, _WrappedOptimizer
 
@@ -263,7 +263,7 @@ class Accelerator:
         return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
 
     def _owner(self, optimizer: Optimizer) -> tuple[dict[int, str], nn.Module]:
-        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        ids = {id(p) for p in optimizer_parameters(optimizer)}
         for names, module in reversed(self._setups):
             current = {id(p) for p in module.parameters()}
             if ids & names.keys() or ids & current:

@@ -50,7 +50,3 @@ class Comm:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
-
-    def agree(self, error: str | None) -> list[str]:
-        """Share each rank's error (or None); every rank gets the same list of ``"rank r: cause"``."""
-        return [f"rank {r}: {e}" for r, e in enumerate(self.all_gather(error)) if e]

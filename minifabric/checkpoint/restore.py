@@ -22,6 +22,7 @@ from minifabric.checkpoint import full, rng, sharded
 from minifabric.checkpoint.errors import CheckpointError
 from minifabric.checkpoint.state import is_stateful, kind_problems, optimizer_problems, validate
 from minifabric.checkpoint.tensors import TENSOR_REF, empty_target, equal, is_ref, map_tree, place
+from minifabric.strategies.rebind import optimizer_parameters
 
 if TYPE_CHECKING:
     from minifabric.strategies.strategy import Strategy
@@ -65,7 +66,7 @@ def _resolver(obj: Any) -> Resolver:
         live = obj.state_dict()
         return lambda path: live.get(path[0]) if len(path) == 1 else None
     if isinstance(obj, Optimizer):
-        params = [p for group in obj.param_groups for p in group["params"]]
+        params = optimizer_parameters(obj)
 
         def param_for(path: tuple) -> Any:
             index = path[1] if len(path) == 3 and path[0] == "state" else None

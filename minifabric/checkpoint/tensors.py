@@ -67,18 +67,6 @@ def split(prefix: str, tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     return map_tree(tree, take), tensors
 
 
-def lookup(tree: Any, path: tuple) -> Any:
-    """The value at ``path`` in nested containers, or None where the path does not exist."""
-    for part in path:
-        if isinstance(tree, dict):
-            tree = tree.get(part)
-        elif isinstance(tree, (list, tuple)) and isinstance(part, int) and part < len(tree):
-            tree = tree[part]
-        else:
-            return None
-    return tree
-
-
 def empty_target(ref: dict[str, Any], like: Any) -> torch.Tensor:
     """A fresh tensor to load ``ref`` into: sharded like ``like`` when it is a DTensor of that shape."""
     dtype = ref_dtype(ref)

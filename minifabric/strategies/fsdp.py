@@ -38,6 +38,7 @@ from minifabric.strategies.fsdp_wrap import (
     sharded_submodules,
 )
 from minifabric.strategies.meta_init import check_initializable, has_meta_parameters, init_rng_state
+from minifabric.strategies.rebind import optimizer_parameters
 from minifabric.strategies.strategy import Strategy
 
 StateDictStr = Literal["sharded", "full"]
@@ -189,8 +190,13 @@ class FSDPStrategy(Strategy):
 
     def forward_context(self) -> ContextManager:
         # With a casting policy FSDP2 already runs forward in the low-precision dtype; autocast on
-        # top would only add casts.
-        if self.mp_policy.param_dtype is not None:
+        # top would only add casts. (Decided without building the policy: this runs every forward.)
+        casts = (
+            self.mixed_precision.param_dtype is not None
+            if self.mixed_precision is not None
+            else self.precision.is_mixed
+        )
+        if casts:
             return nullcontext()
         return self.precision.forward_context()
 
@@ -205,7 +211,7 @@ class FSDPStrategy(Strategy):
     ) -> torch.Tensor:
         """Clip by the norm over all shards; returns it as a plain tensor (the single-process number)."""
         self.precision.unscale_gradients(optimizer)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        params = optimizer_parameters(optimizer)
         return clip_grad_norm_(params, max_norm, norm_type)
 
 

@@ -114,14 +114,6 @@ def tied_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     return [group for group in places.values() if len(group) > 1]
 
 
-def retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
-    """Make every place of each group point at the group's first parameter again."""
-    for (first_module, first_name), *rest in groups:
-        shared = first_module._parameters[first_name]
-        for sub, name in rest:
-            sub._parameters[name] = shared
-
-
 def empty_meta_tensors(module: nn.Module, device: torch.device) -> None:
     """Give every meta parameter and buffer uninitialized storage on ``device``, in place.
 

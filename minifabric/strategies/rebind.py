@@ -11,6 +11,11 @@ from torch import nn
 from torch.optim import Optimizer
 
 
+def optimizer_parameters(optimizer: Optimizer) -> list:
+    """Every parameter of ``optimizer``, group by group."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
 def parameter_names(module: nn.Module) -> dict[int, str]:
     """Map ``id(parameter)`` to its first qualified name in ``module``."""
     names: dict[int, str] = {}
@@ -29,7 +34,7 @@ def rebind_optimizer(optimizer: Optimizer, names_before: dict[int, str], module:
         RuntimeError: the optimizer already holds state for parameters that were replaced.
     """
     current = dict(module.named_parameters(remove_duplicate=False))
-    unknown = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in names_before]
+    unknown = [p for p in optimizer_parameters(optimizer) if id(p) not in names_before]
     if unknown:
         shapes = ", ".join(str(tuple(p.shape)) for p in unknown[:5])
         raise ValueError(

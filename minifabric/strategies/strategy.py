@@ -35,6 +35,7 @@ from minifabric.environment import (
 from minifabric.launcher import JoinLauncher, Launcher, LocalLauncher, install_rank_excepthook, watch_parent
 from minifabric.precision import Precision
 from minifabric.strategies.meta_init import materialize, meta_init_context
+from minifabric.strategies.rebind import optimizer_parameters
 
 if TYPE_CHECKING:
     from minifabric.checkpoint.service import Checkpointer
@@ -186,13 +187,13 @@ class Strategy:
     ) -> torch.Tensor:
         """Clip gradients by their total norm (across all shards) and return that norm."""
         self.precision.unscale_gradients(optimizer)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        params = optimizer_parameters(optimizer)
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
 
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float) -> None:
         """Clamp every gradient element to ``[-clip_val, clip_val]``."""
         self.precision.unscale_gradients(optimizer)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        params = optimizer_parameters(optimizer)
         torch.nn.utils.clip_grad_value_(params, clip_val)
 
     # ---- collectives -------------------------------------------------------------------------
@@ -266,7 +267,7 @@ class Strategy:
         """Load an optimizer state dict; full state tensors are cut to the shard of their parameter."""
         from minifabric.checkpoint.tensors import place
 
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        params = optimizer_parameters(optimizer)
         state = {
             index: {
                 name: place(value, params[index]) if isinstance(index, int) and index < len(params) else value
