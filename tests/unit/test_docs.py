@@ -9,7 +9,7 @@ only, so the rest does not show when rendered):
 - ```` ```python file=NAME ````: written to ``NAME`` in the scratch folder, not run; a later block
   of the same document runs it (e.g. ``minifabric run --devices 2 NAME``).
 - ```` ```bash run ```` (or ``sh``/``console``): run with ``bash -euo pipefail`` in the scratch
-  folder, where ``python`` is this interpreter and ``examples/`` points at the repository's.
+  folder, where ``python`` runs this interpreter (in its virtual environment, if any) and ``examples/`` points at the repository's.
 - ```` ```bash skip="REASON" ````: not run; the reason is required and says why (installs
   packages, needs a cluster, takes minutes).
 - ```` ```text ```` and ```` ```mermaid ````: output and diagrams, not code.
@@ -113,7 +113,10 @@ def _environment(scratch: Path) -> dict[str, str]:
     bin_dir.mkdir(exist_ok=True)
     python = bin_dir / "python"
     if not python.exists():
-        python.symlink_to(sys.executable)
+        # A wrapper, not a symlink: a symlink to a virtual environment's interpreter starts Python
+        # outside that environment (its pyvenv.cfg is looked up next to the link), without torch.
+        python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+        python.chmod(0o755)
     examples = scratch / "examples"
     if not examples.exists():
         examples.symlink_to(REPO / "examples")
