@@ -1,5 +1,7 @@
 """minifabric: your own PyTorch training loop on one device, data-parallel, or fully sharded (FSDP2)."""
 
+from typing import TYPE_CHECKING, Any
+
 from minifabric._torch import check_torch_version
 
 check_torch_version()
@@ -7,7 +9,10 @@ check_torch_version()
 from minifabric.accelerator import Accelerator  # noqa: E402
 from minifabric.checkpoint.errors import CheckpointError  # noqa: E402
 from minifabric.precision import MixedPrecision, Precision, TruePrecision  # noqa: E402
-from minifabric.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy, wrap  # noqa: E402
+from minifabric.strategies import DDPStrategy, SingleDeviceStrategy, Strategy, wrap  # noqa: E402
+
+if TYPE_CHECKING:
+    from minifabric.strategies.fsdp import FSDPStrategy
 
 __version__ = "0.1.0"
 
@@ -23,3 +28,12 @@ __all__ = [
     "TruePrecision",
     "wrap",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # FSDP (and torch's DTensor) is imported on first use: see minifabric.strategies
+    if name == "FSDPStrategy":
+        from minifabric.strategies.fsdp import FSDPStrategy
+
+        return FSDPStrategy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

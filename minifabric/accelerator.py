@@ -13,16 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning_fabric.utilities.seed import seed_everything as _seed_everything
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from minifabric._arguments import CallWithAccelerator, check_state, point_scheduler_at, unwrap_state
-from minifabric.checkpoint.state import is_stateful
 from minifabric.data import distributed_dataloader
 from minifabric.precision import Precision, PrecisionStr
 from minifabric.resolve import AcceleratorStr, StrategyStr, apply_cli_settings, resolve
+from minifabric.seed import seed_everything as _seed_everything
 from minifabric.strategies.rebind import optimizer_parameters, parameter_names, rebind_optimizer
 from minifabric.strategies.strategy import Strategy
 from minifabric.wrappers import _WrappedDataLoader, _WrappedModule, _WrappedOptimizer
@@ -361,6 +360,8 @@ class Accelerator:
         Modules, optimizers and stateful objects are loaded in place; plain values are copied back into
         ``state``. With ``state=None`` everything is returned.
         """
+        from minifabric.checkpoint.state import is_stateful  # imports DTensor: only when loading
+
         if state is None:
             state = {}
         check_state(state)
@@ -406,7 +407,7 @@ class Accelerator:
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise TypeError(f"seed must be an int, got {seed!r}.")
         self._seed = seed
-        return _seed_everything(seed, workers=workers, verbose=False)
+        return _seed_everything(seed, workers=workers)
 
     @contextmanager
     def rank_zero_first(self, local: bool = False) -> Generator[None, None, None]:

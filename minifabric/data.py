@@ -3,10 +3,34 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
-from lightning_fabric.utilities.data import _update_dataloader, has_iterable_dataset
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+
+def move_data_to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor (or object with a ``.to`` method) in a nested batch to ``device``.
+
+    Transfers to an accelerator are non-blocking; objects whose ``.to`` returns None (an in-place
+    ``.to``) are kept as they are.
+    """
+
+    def move(data: Any) -> Any:
+        non_blocking = isinstance(data, torch.Tensor) and device.type not in ("cpu", "mps")
+        moved = data.to(device, non_blocking=True) if non_blocking else data.to(device)
+        return data if moved is None else moved
+
+    return apply_to_collection(batch, dtype=(torch.Tensor, _Transferable), function=move)
+
+
+class _Transferable:
+    """Matches any object with a callable ``.to`` (``isinstance`` only)."""
+
+    @classmethod
+    def __subclasshook__(cls, subclass: type) -> bool:
+        return callable(getattr(subclass, "to", None))
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -27,6 +51,8 @@ def distributed_dataloader(dataloader: DataLoader, num_replicas: int, rank: int,
     epoch, so every rank agrees on it and a resumed run sees the same order. The loader gets its own
     generator, so creating an iterator never draws from the global RNG.
     """
+    from lightning_fabric.utilities.data import _update_dataloader, has_iterable_dataset
+
     if has_iterable_dataset(dataloader):
         return dataloader
     shuffle = isinstance(dataloader.sampler, RandomSampler)

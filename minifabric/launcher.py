@@ -27,7 +27,8 @@ from types import TracebackType
 from typing import Any
 
 import torch.multiprocessing as mp
-from lightning_fabric.plugins.environments.lightning import find_free_network_port
+
+from minifabric.environment import find_free_port
 
 _PARENT_PID_VAR = "MINIFABRIC_PARENT_PID"
 _POLL_SECONDS = 0.1
@@ -77,7 +78,7 @@ class LocalLauncher(Launcher):
 def _world_env(num_processes: int, main_address: str, local_rank: int) -> dict[str, str]:
     return {
         "MASTER_ADDR": main_address,
-        "MASTER_PORT": os.environ.get("MASTER_PORT") or str(find_free_network_port()),
+        "MASTER_PORT": os.environ.get("MASTER_PORT") or str(find_free_port()),
         "WORLD_SIZE": str(num_processes),
         "LOCAL_WORLD_SIZE": str(num_processes),
         "NODE_RANK": "0",

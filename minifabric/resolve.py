@@ -5,14 +5,16 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
-from lightning_fabric.plugins.environments import ClusterEnvironment, LightningEnvironment
 
-from minifabric.environment import detect_cluster_environment, local_world_size
+from minifabric.environment import LocalEnvironment, detect_cluster_environment, local_world_size
 from minifabric.precision import PRECISIONS, Precision, precision_from_string
 from minifabric.strategies.strategy import Strategy
+
+if TYPE_CHECKING:
+    from lightning_fabric.plugins.environments import ClusterEnvironment
 
 AcceleratorStr = Literal["auto", "cpu", "cuda"]
 StrategyStr = Literal["auto", "single", "ddp", "fsdp", "fsdp_cpu_offload"]
@@ -40,7 +42,7 @@ DEFAULTS: dict[str, Any] = {
 class Resolved:
     """The parts an Accelerator is built from."""
 
-    environment: ClusterEnvironment
+    environment: ClusterEnvironment | LocalEnvironment
     device: torch.device
     num_processes: int
     num_nodes: int
@@ -119,7 +121,7 @@ def resolve(
         raise ValueError(f"num_nodes={num_nodes!r} must be a positive int, e.g. Accelerator(num_nodes=2).")
     indices = _device_indices(devices, device_type)
     environment = detect_cluster_environment()
-    if isinstance(environment, LightningEnvironment) and environment.creates_processes_externally:
+    if isinstance(environment, LocalEnvironment) and environment.creates_processes_externally:
         environment.set_world_size(int(os.environ.get("WORLD_SIZE", 1)))
 
     if environment.creates_processes_externally:

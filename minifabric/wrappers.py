@@ -7,12 +7,11 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning_fabric.utilities.apply_func import move_data_to_device
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from minifabric.data import owns_generator, reseed_loader_generator
+from minifabric.data import move_data_to_device, owns_generator, reseed_loader_generator
 
 if TYPE_CHECKING:
     from minifabric.strategies.strategy import Strategy

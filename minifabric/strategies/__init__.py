@@ -1,8 +1,24 @@
-"""Strategies: how a model is placed, wrapped and synchronized across processes."""
+"""Strategies: how a model is placed, wrapped and synchronized across processes.
+
+``FSDPStrategy`` is imported on first use: torch's FSDP and DTensor modules take about half a
+second to import, which a run that does not shard should not pay.
+"""
+
+from typing import TYPE_CHECKING, Any
 
 from minifabric.strategies.ddp import DDPStrategy
-from minifabric.strategies.fsdp import FSDPStrategy
 from minifabric.strategies.single import SingleDeviceStrategy
 from minifabric.strategies.strategy import Strategy, wrap
 
+if TYPE_CHECKING:
+    from minifabric.strategies.fsdp import FSDPStrategy
+
 __all__ = ["DDPStrategy", "FSDPStrategy", "SingleDeviceStrategy", "Strategy", "wrap"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FSDPStrategy":
+        from minifabric.strategies.fsdp import FSDPStrategy
+
+        return FSDPStrategy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

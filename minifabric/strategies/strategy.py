@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from lightning_fabric.plugins.environments import ClusterEnvironment, LightningEnvironment
 from torch import nn
 from torch.optim import Optimizer
 
 from minifabric import collectives
 from minifabric.environment import (
     DEFAULT_TIMEOUT,
+    LocalEnvironment,
     default_backend,
     destroy_process_group,
     exit_barrier_group,
@@ -38,6 +38,8 @@ from minifabric.strategies.meta_init import materialize, meta_init_context
 from minifabric.strategies.rebind import optimizer_parameters
 
 if TYPE_CHECKING:
+    from lightning_fabric.plugins.environments import ClusterEnvironment
+
     from minifabric.checkpoint.service import Checkpointer
 
 
@@ -58,7 +60,7 @@ class Strategy:
         self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         self.process_group_backend = process_group_backend
         self.precision: Precision = Precision()
-        self.environment: ClusterEnvironment = LightningEnvironment()
+        self.environment: ClusterEnvironment | LocalEnvironment = LocalEnvironment()
         self.root_device = torch.device("cpu")
         self.num_nodes = 1
         self.num_processes = 1  # on this node
@@ -68,7 +70,7 @@ class Strategy:
     def connect(
         self,
         *,
-        environment: ClusterEnvironment,
+        environment: ClusterEnvironment | LocalEnvironment,
         device: torch.device,
         num_processes: int,
         num_nodes: int,
@@ -115,7 +117,7 @@ class Strategy:
 
     def setup_environment(self) -> None:
         """Join the process group (if there is more than one process) and select the device."""
-        if isinstance(self.environment, LightningEnvironment):
+        if isinstance(self.environment, LocalEnvironment):
             self.environment.set_world_size(self.num_nodes * self.num_processes)
             self.environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
         if self.root_device.type == "cuda":

@@ -3,13 +3,12 @@
 import pytest
 import torch
 from lightning_fabric.plugins.environments import (
-    LightningEnvironment,
     SLURMEnvironment,
     TorchElasticEnvironment,
 )
 
 from minifabric import Accelerator, DDPStrategy, SingleDeviceStrategy
-from minifabric.environment import detect_cluster_environment
+from minifabric.environment import LocalEnvironment, detect_cluster_environment
 from minifabric.launcher import JoinLauncher, LocalLauncher
 from minifabric.precision import PRECISIONS
 from minifabric.resolve import ACCELERATORS, STRATEGIES
@@ -127,7 +126,7 @@ def test_invalid_cli_setting_raises(monkeypatch):
 
 
 def test_no_cluster_means_a_local_environment():
-    assert type(detect_cluster_environment()) is LightningEnvironment
+    assert type(detect_cluster_environment()) is LocalEnvironment
 
 
 def _torchrun_env(monkeypatch, rank, local_rank, world_size, local_world_size):
@@ -181,4 +180,4 @@ def test_slurm_is_detected(monkeypatch):
 def test_interactive_slurm_is_not_a_cluster(monkeypatch):
     monkeypatch.setenv("SLURM_NTASKS", "1")
     monkeypatch.setenv("SLURM_JOB_NAME", "bash")
-    assert type(detect_cluster_environment()) is LightningEnvironment
+    assert type(detect_cluster_environment()) is LocalEnvironment
