@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from minifabric._arguments import CallWithAccelerator, check_state, point_scheduler_at, unwrap_state
 from minifabric.data import distributed_dataloader
-from minifabric.precision import Precision, PrecisionStr
+from minifabric.precision import Precision, PrecisionInput
 from minifabric.resolve import AcceleratorStr, StrategyStr, apply_cli_settings, resolve
 from minifabric.seed import seed_everything as _seed_everything
 from minifabric.strategies.rebind import optimizer_parameters, parameter_names, rebind_optimizer
@@ -37,6 +37,7 @@ class Accelerator:
         devices: processes per node: an int, ``"auto"``, or a list of CUDA device indices.
         num_nodes: number of machines.
         precision: ``"32-true"``, ``"64-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ``"16-mixed"``, ``"16-true"``.
+            Strings are read in any case, with Lightning Fabric's aliases (``16``, ``"bf16"``, ``32``, ...).
 
     Example:
         >>> import torch
@@ -57,7 +58,7 @@ class Accelerator:
         strategy: StrategyStr | Strategy = "auto",
         devices: int | str | list[int] = "auto",
         num_nodes: int = 1,
-        precision: PrecisionStr = "32-true",
+        precision: PrecisionInput = "32-true",
     ) -> None:
         settings = apply_cli_settings(
             {

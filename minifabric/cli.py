@@ -4,6 +4,11 @@
 ``--devices`` processes on this node, joins ``--num-nodes`` nodes through torchrun's rendezvous at
 ``--main-address:--main-port``, and passes ``--accelerator``, ``--strategy``, ``--precision``,
 ``--devices`` and ``--num-nodes`` to the script's ``Accelerator()`` through environment variables.
+
+Each subcommand is one ``_add_<name>(commands)`` function that adds its parser and sets
+``handler``, the function :func:`main` calls with the parsed arguments; a new subcommand is one
+more such function listed in ``_SUBCOMMANDS``. Help texts are plain words: argparse prints them as
+they are.
 """
 
 from __future__ import annotations
@@ -11,33 +16,125 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from minifabric.precision import PRECISIONS
-from minifabric.resolve import ACCELERATORS, ENV_SETTINGS, STRATEGIES
+from minifabric.resolve import CHOICES, DEFAULTS, ENV_SETTINGS, canonical, suggestion
+
+_DESCRIPTION = """\
+minifabric: run a PyTorch training loop on one device, data-parallel (DDP) or fully sharded (FSDP2).
+
+examples:
+  minifabric run --devices 2 --strategy fsdp train.py --lr 0.01
+  minifabric consolidate out/checkpoint model.pt
+  minifabric run --help            (every option of a command)
+"""
+
+
+def _choice(name: str) -> Callable[[str], str]:
+    """An argparse ``type`` that reads a value the way ``Accelerator(name=...)`` does."""
+
+    def parse(value: str) -> str:
+        try:
+            return canonical(name, value, warn=False)
+        except ValueError:
+            hint = suggestion(name, value)
+            raise argparse.ArgumentTypeError(
+                f"unknown value {value!r}{f'; did you mean {hint}?' if hint else '.'}"
+                f" Choose one of: {', '.join(CHOICES[name])}."
+            ) from None
+
+    parse.__name__ = name  # argparse names the type in its error messages
+    return parse
+
+
+def _add_run(commands: Any) -> None:
+    run = commands.add_parser(
+        "run",
+        help="start a training script on one or more processes",
+        description="Start a training script on this node's processes (on top of torchrun). The"
+        " script's Accelerator() takes --accelerator, --strategy, --precision, --devices and"
+        " --num-nodes from here unless the script passes them itself.",
+    )
+    run.add_argument(
+        "--devices", default="1", metavar="N", help='processes on this node: an int or "auto" (default: 1)'
+    )
+    run.add_argument(
+        "--num-nodes", "--num_nodes", type=int, metavar="N", default=1, help="number of nodes (default: 1)"
+    )
+    run.add_argument(
+        "--node-rank",
+        "--node_rank",
+        type=int,
+        metavar="R",
+        default=0,
+        help="rank of this node, 0 to N-1 (default: 0)",
+    )
+    run.add_argument(
+        "--main-address",
+        "--main_address",
+        metavar="HOST",
+        default="127.0.0.1",
+        help="address of node 0 (default: 127.0.0.1)",
+    )
+    run.add_argument(
+        "--main-port",
+        "--main_port",
+        type=int,
+        metavar="PORT",
+        default=29400,
+        help="free port on node 0 (default: 29400)",
+    )
+    for name, also in (
+        ("accelerator", ""),
+        ("strategy", ""),
+        ("precision", ", or Fabric's 16, 32, 64, bf16"),
+    ):
+        run.add_argument(
+            f"--{name}",
+            type=_choice(name),
+            default=None,
+            metavar="NAME",
+            help=f"one of {', '.join(CHOICES[name])}{also}, in any case"
+            f" (default: what the script passes, else {DEFAULTS[name]})",
+        )
+    run.add_argument("script", help="the training script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed on to the script")
+    run.set_defaults(handler=_run)
+
+
+def _add_consolidate(commands: Any) -> None:
+    consolidate = commands.add_parser(
+        "consolidate",
+        help="merge a sharded checkpoint into one file",
+        description="Merge a sharded checkpoint folder (written under FSDP) into one file that"
+        " torch.load(path, weights_only=True) reads. Runs in one process.",
+    )
+    consolidate.add_argument("checkpoint", help="the sharded checkpoint folder")
+    consolidate.add_argument("output", help="the file to write")
+    consolidate.set_defaults(handler=_consolidate)
+
+
+#: one function per subcommand, in the order ``minifabric --help`` lists them
+_SUBCOMMANDS: list[Callable[[Any], None]] = [_add_run, _add_consolidate]
+
+
+def _version() -> str:
+    import torch
+
+    import minifabric
+
+    return f"minifabric {minifabric.__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="minifabric", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    run = commands.add_parser("run", help="start a training script on one or more processes")
-    run.add_argument("--devices", default="1", help='processes per node: an int or "auto" (default: 1)')
-    run.add_argument("--num-nodes", "--num_nodes", type=int, default=1, help="number of nodes (default: 1)")
-    run.add_argument("--node-rank", "--node_rank", type=int, default=0, help="rank of this node (default: 0)")
-    run.add_argument("--main-address", "--main_address", default="127.0.0.1", help="address of node 0")
-    run.add_argument(
-        "--main-port", "--main_port", type=int, default=29400, help="port on node 0 (default: 29400)"
+    parser = argparse.ArgumentParser(
+        prog="minifabric", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    run.add_argument("--accelerator", choices=ACCELERATORS, default=None)
-    run.add_argument("--strategy", choices=STRATEGIES, default=None)
-    run.add_argument("--precision", choices=PRECISIONS, default=None)
-    run.add_argument("script", help="the training script")
-    run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
-
-    consolidate = commands.add_parser("consolidate", help="merge a sharded checkpoint into one file")
-    consolidate.add_argument("checkpoint", help="the sharded checkpoint folder")
-    consolidate.add_argument("output", help="the file to write (loads with torch.load(weights_only=True))")
+    parser.add_argument("--version", action="version", version=_version())
+    commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
+    for add in _SUBCOMMANDS:
+        add(commands)
     return parser
 
 
@@ -54,7 +151,14 @@ def _devices_per_node(devices: str, accelerator: str | None) -> int:
 
 
 def torchrun_args(args: argparse.Namespace) -> list[str]:
-    """The ``torch.distributed.run`` command line for ``minifabric run``'s flags."""
+    """The ``torch.distributed.run`` command line for ``minifabric run``'s flags.
+
+    Args:
+        args: the parsed flags of ``minifabric run``.
+
+    Returns:
+        The arguments for ``torch.distributed.run.main``.
+    """
     nproc = _devices_per_node(args.devices, args.accelerator)
     return [
         f"--nproc-per-node={nproc}",
@@ -84,16 +188,27 @@ def _run(args: argparse.Namespace) -> None:
     torchrun_main(torchrun_args(args))
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of the ``minifabric`` command."""
-    args = _parser().parse_args(argv)
-    if args.command == "run":
-        _run(args)
-    else:
-        from minifabric.checkpoint.consolidate import consolidate
+def _consolidate(args: argparse.Namespace) -> None:
+    from minifabric.checkpoint.consolidate import consolidate
 
-        consolidate(args.checkpoint, args.output)
-        print(f"wrote {args.output}", file=sys.stderr)
+    consolidate(args.checkpoint, args.output)
+    print(f"wrote {args.output}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the ``minifabric`` command (and of ``python -m minifabric``).
+
+    Args:
+        argv: the arguments after the program name; ``None`` reads ``sys.argv``.
+
+    Without a command it prints the help and exits with status 2.
+    """
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        raise SystemExit(2)
+    args.handler(args)
 
 
 if __name__ == "__main__":

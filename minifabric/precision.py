@@ -23,6 +23,8 @@ from minifabric._torch import tree_map
 
 PrecisionStr = Literal["32-true", "64-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"]
 PRECISIONS: tuple[str, ...] = get_args(PrecisionStr)
+#: what ``Accelerator(precision=...)`` accepts: the strings above and Lightning Fabric's aliases
+PrecisionInput = PrecisionStr | Literal[16, 32, 64, "16", "32", "64", "bf16"]
 
 
 @contextmanager
@@ -125,9 +127,16 @@ class TruePrecision(Precision):
 class MixedPrecision(Precision):
     """float32 parameters, forward under ``torch.autocast``: ``"bf16-mixed"`` and ``"16-mixed"``.
 
-    ``"16-mixed"`` uses a :class:`torch.amp.GradScaler`: the loss is scaled before backward, gradients
+    ``"16-mixed"`` uses a `torch.amp.GradScaler`: the loss is scaled before backward, gradients
     are unscaled before clipping and before the step, and a step whose gradients hold an inf or NaN
-    is skipped (the scale is then lowered).
+    is skipped (the scale is then lowered). A step whose gradients did not come from
+    ``acc.backward(loss)`` (a plain ``loss.backward()``) raises instead of stepping with gradients
+    that were never scaled.
+
+    Args:
+        name: ``"bf16-mixed"`` or ``"16-mixed"``.
+        dtype: the dtype forward computes in.
+        device_type: ``"cpu"`` or ``"cuda"``, for ``torch.autocast``.
     """
 
     is_mixed = True
@@ -139,6 +148,9 @@ class MixedPrecision(Precision):
         self.scaler: torch.amp.GradScaler | None = (
             torch.amp.GradScaler(device_type) if dtype == torch.float16 else None
         )
+        # ids of the optimizers stepped since the last scaled backward (None before the first one):
+        # stepping one again means its gradients came from a plain `loss.backward()`
+        self._stepped: set[int] | None = None
 
     @contextmanager
     def tensor_init_context(self) -> Generator[None, None, None]:
@@ -153,7 +165,10 @@ class MixedPrecision(Precision):
         return _cast_floats(data, torch.get_default_dtype())
 
     def pre_backward(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale(tensor) if self.scaler is not None else tensor
+        if self.scaler is None:
+            return tensor
+        self._stepped = set()
+        return self.scaler.scale(tensor)
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         if self.scaler is not None:
@@ -162,6 +177,13 @@ class MixedPrecision(Precision):
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
         if self.scaler is None:
             return optimizer.step(**kwargs)
+        if self._stepped is None or id(optimizer) in self._stepped:
+            raise RuntimeError(
+                f'precision="{self.name}" scales the loss in `acc.backward(loss)`, but this'
+                f" {type(optimizer).__name__}.step() follows no `acc.backward(...)` since its last step"
+                " (a plain `loss.backward()`?). Replace `loss.backward()` with `acc.backward(loss)`."
+            )
+        self._stepped.add(id(optimizer))
         result = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
         return result

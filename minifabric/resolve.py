@@ -1,7 +1,13 @@
-"""Turn the Accelerator's arguments (and ``minifabric run``'s settings) into concrete parts, in one place."""
+"""Turn the Accelerator's arguments (and ``minifabric run``'s settings) into concrete parts, in one place.
+
+Strings are read the way Lightning Fabric reads them: strategy and accelerator names in any case,
+Fabric's precision aliases (``16``, ``"bf16"``, ``32``, ...) with Fabric's meaning. Anything else
+raises with the closest valid value.
+"""
 
 from __future__ import annotations
 
+import difflib
 import os
 import warnings
 from dataclasses import dataclass
@@ -20,6 +26,59 @@ AcceleratorStr = Literal["auto", "cpu", "cuda"]
 StrategyStr = Literal["auto", "single", "ddp", "fsdp", "fsdp_cpu_offload"]
 ACCELERATORS: tuple[str, ...] = get_args(AcceleratorStr)
 STRATEGIES: tuple[str, ...] = get_args(StrategyStr)
+
+#: Fabric's other spellings, read with Fabric's meaning: name -> (ours, note or None). A note is
+#: shown (once, as a warning) where Fabric warns or where minifabric reads the name differently.
+ALIASES: dict[str, dict[str, tuple[str, str | None]]] = {
+    "precision": {
+        "32": ("32-true", None),
+        "64": ("64-true", None),
+        "16": (
+            "16-mixed",
+            'precision=16 is the historical spelling of "16-mixed"; write precision="16-mixed".',
+        ),
+        "bf16": (
+            "bf16-mixed",
+            'precision="bf16" is the historical spelling of "bf16-mixed"; write precision="bf16-mixed".',
+        ),
+    },
+    "strategy": {
+        "ddp_spawn": ("ddp", None),  # acc.launch(fn) spawns the processes, as Fabric's ddp_spawn does
+        "ddp_find_unused_parameters_true": ("ddp", None),  # built as DDPStrategy(find_unused_parameters=True)
+    },
+    "accelerator": {"gpu": ("cuda", None)},
+}
+
+#: names that minifabric refuses, with what to use instead
+_HINTS: dict[str, dict[str, str]] = {
+    "precision": {
+        **dict.fromkeys(("fp16", "float16", "half"), '"16-mixed" (or "16-true")'),
+        **dict.fromkeys(("bfloat16", "bf-16", "bf16_mixed"), '"bf16-mixed" (or "bf16-true")'),
+        **dict.fromkeys(("fp32", "float32", "float", "full"), '"32-true"'),
+        **dict.fromkeys(("fp64", "float64", "double"), '"64-true"'),
+        **dict.fromkeys(
+            ("transformer-engine", "transformer-engine-float16"),
+            '"bf16-mixed" (Transformer Engine fp8 is not supported)',
+        ),
+    },
+    "strategy": {
+        "deepspeed": '"fsdp" (FSDP2 shards parameters, gradients and optimizer state, like ZeRO stage 3)',
+        "deepspeed_stage_1": "DDPStrategy(zero_redundancy=True) (ZeRO stage 1: optimizer state sharded)",
+        "deepspeed_stage_2": 'FSDPStrategy(sharding_strategy="SHARD_GRAD_OP") (ZeRO stage 2)',
+        "deepspeed_stage_2_offload": 'FSDPStrategy(sharding_strategy="SHARD_GRAD_OP", cpu_offload=True)',
+        "deepspeed_stage_3": '"fsdp" (ZeRO stage 3)',
+        "deepspeed_stage_3_offload": '"fsdp_cpu_offload"',
+        "dp": '"ddp" (one process per device; DataParallel is not supported)',
+        "ddp_fork": '"ddp" with acc.launch(fn), fn defined in an importable module (processes are spawned, not forked)',
+        "ddp_notebook": '"ddp" with acc.launch(fn), fn defined in an importable module (processes are spawned, not forked)',
+        "fsdp1": '"fsdp" (FSDP2; FSDP1 keyword arguments are mapped by FSDPStrategy)',
+    },
+    "accelerator": {
+        "gpus": '"cuda"',
+        "mps": '"cpu" (Apple MPS is not supported)',
+        "tpu": '"cpu" or "cuda" (TPUs are not supported)',
+    },
+}
 
 #: environment variables through which ``minifabric run`` passes its flags to ``Accelerator()``
 ENV_SETTINGS = {
@@ -61,10 +120,10 @@ def apply_cli_settings(args: dict[str, Any]) -> dict[str, Any]:
             parsed: Any = int(value)
         else:
             parsed = value
-        if isinstance(out[name], str) or isinstance(out[name], int):
-            if out[name] == DEFAULTS[name]:
+        if isinstance(out[name], (str, int)):
+            if _same(name, out[name], DEFAULTS[name]):
                 out[name] = parsed
-            elif out[name] != parsed:
+            elif not _same(name, out[name], parsed):
                 warnings.warn(
                     f"`minifabric run` set {name}={parsed!r} but the script passes Accelerator({name}={out[name]!r});"
                     " the script's value is used.",
@@ -73,15 +132,87 @@ def apply_cli_settings(args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _check_choice(name: str, value: Any, choices: tuple[str, ...], example: str) -> None:
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(
-            f"Unknown {name}={value!r}. Choose one of {', '.join(map(repr, choices))}, e.g. Accelerator({example})."
-        )
+def _same(name: str, a: Any, b: Any) -> bool:
+    """Whether two spellings mean the same value (``"DDP"`` and ``"ddp"``, ``32`` and ``"32-true"``)."""
+    if name in CHOICES:
+        try:
+            return canonical(name, a, warn=False) == canonical(name, b, warn=False)
+        except ValueError:
+            pass
+    return a == b
+
+
+#: the canonical values of each string argument
+CHOICES: dict[str, tuple[str, ...]] = {
+    "accelerator": ACCELERATORS,
+    "strategy": STRATEGIES,
+    "precision": PRECISIONS,
+}
+_EXAMPLES = {"accelerator": '"cpu"', "strategy": '"ddp"', "precision": '"bf16-mixed"'}
+
+
+def canonical(name: str, value: Any, *, warn: bool = True) -> str:
+    """The canonical spelling of an ``accelerator``, ``strategy`` or ``precision`` value.
+
+    Case does not matter and Lightning Fabric's aliases are accepted with Fabric's meaning (with a
+    one-line warning where Fabric warns). Anything else raises, suggesting the closest valid value.
+
+    Args:
+        name: ``"accelerator"``, ``"strategy"`` or ``"precision"``.
+        value: what the user passed (``precision`` may also be the int 16, 32 or 64).
+        warn: whether to show the note an alias carries.
+
+    Raises:
+        ValueError: ``value`` is no spelling of a valid choice.
+
+    Example:
+        >>> canonical("strategy", "FSDP")
+        'fsdp'
+        >>> canonical("precision", 32)
+        '32-true'
+    """
+    choices = CHOICES[name]
+    key = value
+    if name == "precision" and isinstance(value, int) and not isinstance(value, bool):
+        key = str(value)
+    if isinstance(key, str):
+        key = key.strip().lower()
+        if key in choices:
+            return key
+        if key in ALIASES[name]:
+            canonical_value, note = ALIASES[name][key]
+            if note is not None and warn:
+                warnings.warn(note, UserWarning, stacklevel=4)
+            return canonical_value
+    raise ValueError(_unknown_message(name, value, key))
+
+
+def suggestion(name: str, value: Any) -> str | None:
+    """The closest valid spelling of ``value`` for ``name`` (or what to use instead), or None.
+
+    Example:
+        >>> suggestion("strategy", "fdsp")
+        '"fsdp"'
+    """
+    if not isinstance(value, str):
+        return None
+    key = value.strip().lower()
+    if key in _HINTS[name]:
+        return _HINTS[name][key]
+    close = difflib.get_close_matches(key, [*CHOICES[name], *ALIASES[name]], n=1, cutoff=0.6)
+    return f'"{ALIASES[name].get(close[0], (close[0],))[0]}"' if close else None
+
+
+def _unknown_message(name: str, value: Any, key: Any) -> str:
+    hint = suggestion(name, key)
+    did_you_mean = f" Did you mean {name}={hint}?" if hint else ""
+    return (
+        f"Unknown {name}={value!r}.{did_you_mean} Choose one of {', '.join(map(repr, CHOICES[name]))},"
+        f" e.g. Accelerator({name}={_EXAMPLES[name]})."
+    )
 
 
 def _accelerator_type(accelerator: str) -> str:
-    _check_choice("accelerator", accelerator, ACCELERATORS, 'accelerator="cpu"')
     if accelerator == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if accelerator == "cuda" and not torch.cuda.is_available():
@@ -113,10 +244,13 @@ def resolve(
     precision: Any,
 ) -> Resolved:
     """Validate the arguments and build environment, device, precision plugin and strategy."""
-    device_type = _accelerator_type(accelerator)
-    _check_choice("precision", precision, PRECISIONS, 'precision="bf16-mixed"')
+    device_type = _accelerator_type(canonical("accelerator", accelerator))
+    precision = canonical("precision", precision)
+    strategy_options: dict[str, Any] = {}
     if not isinstance(strategy, Strategy):
-        _check_choice("strategy", strategy, STRATEGIES, 'strategy="ddp"')
+        if isinstance(strategy, str) and strategy.strip().lower() == "ddp_find_unused_parameters_true":
+            strategy_options["find_unused_parameters"] = True
+        strategy = canonical("strategy", strategy)
     if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
         raise ValueError(f"num_nodes={num_nodes!r} must be a positive int, e.g. Accelerator(num_nodes=2).")
     indices = _device_indices(devices, device_type)
@@ -156,7 +290,11 @@ def resolve(
 
     world_size = num_processes * num_nodes
     precision_plugin = precision_from_string(precision, device_type)
-    strategy_obj = strategy if isinstance(strategy, Strategy) else strategy_from_string(strategy, world_size)
+    strategy_obj = (
+        strategy
+        if isinstance(strategy, Strategy)
+        else strategy_from_string(strategy, world_size, **strategy_options)
+    )
     strategy_obj.connect(
         environment=environment,
         device=device,
@@ -167,8 +305,8 @@ def resolve(
     return Resolved(environment, device, num_processes, num_nodes, precision_plugin, strategy_obj)
 
 
-def strategy_from_string(name: str, world_size: int) -> Strategy:
-    """Build the strategy for a strategy string."""
+def strategy_from_string(name: str, world_size: int, **options: Any) -> Strategy:
+    """Build the strategy for a canonical strategy string (``options`` go to ``DDPStrategy``)."""
     from minifabric.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
 
     if name == "auto":
@@ -181,7 +319,7 @@ def strategy_from_string(name: str, world_size: int) -> Strategy:
             )
         return SingleDeviceStrategy()
     if name == "ddp":
-        return DDPStrategy()
+        return DDPStrategy(**options)
     if name == "fsdp":
         return FSDPStrategy()
     return FSDPStrategy(cpu_offload=True)

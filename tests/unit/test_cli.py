@@ -1,10 +1,13 @@
 """``minifabric run``: flags -> torchrun arguments and the settings the script's Accelerator reads."""
 
 import os
+import sys
 
 import pytest
 
+import minifabric
 from minifabric import cli
+from tests.helpers import run_command
 
 
 @pytest.fixture
@@ -92,7 +95,54 @@ def test_bad_devices_exit_with_a_message(torchrun, argv, capsys):
 def test_unknown_choices_are_refused(torchrun, flag, capsys):
     with pytest.raises(SystemExit):
         cli.main(["run", flag, "nonsense", "t.py"])
-    assert "invalid choice: 'nonsense'" in capsys.readouterr().err
+    assert f"argument {flag}: unknown value 'nonsense'" in capsys.readouterr().err
+    assert not torchrun
+
+
+def test_a_typo_gets_the_closest_value(torchrun, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--strategy", "fdsp", "t.py"])
+    assert 'did you mean "fsdp"?' in capsys.readouterr().err
+
+
+def test_fabric_spellings_reach_the_script_in_canonical_form(torchrun):
+    cli.main(["run", "--strategy", "FSDP", "--precision", "16", "--accelerator", "CPU", "t.py"])
+    ((_, env),) = torchrun
+    assert env["MINIFABRIC_STRATEGY"] == "fsdp"
+    assert env["MINIFABRIC_PRECISION"] == "16-mixed"
+    assert env["MINIFABRIC_ACCELERATOR"] == "cpu"
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"minifabric {minifabric.__version__}") and "torch" in out
+
+
+def test_no_arguments_print_the_help(torchrun, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main([])
+    assert info.value.code in (0, 2)
+    out = capsys.readouterr().out
+    assert "usage: minifabric" in out and "run" in out and "consolidate" in out
+    assert not torchrun
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["consolidate", "--help"]])
+def test_help_texts_are_plain_words(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and ":class:" not in out and ":func:" not in out
+    assert "usage: minifabric" in out
+
+
+def test_the_command_runs_as_a_module():
+    result = run_command([sys.executable, "-m", "minifabric", "--version"], timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith("minifabric ")
 
 
 def test_underscore_spellings_are_accepted(torchrun):

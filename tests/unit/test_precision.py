@@ -160,3 +160,35 @@ def test_16_mixed_scaler_state_is_checkpointed():
     fresh = precision_from_string("16-mixed", "cpu")
     fresh.load_state_dict(state)
     assert fresh.scaler.get_scale() == acc.precision.scaler.get_scale()
+
+
+def test_16_mixed_step_after_a_plain_backward_names_acc_backward():
+    _, model, optimizer, x = _fp16_setup()
+    before = [p.detach().clone() for p in model.parameters()]
+    model(x).pow(2).mean().backward()  # not acc.backward: the loss was never scaled
+    with pytest.raises(RuntimeError, match=r"Replace `loss.backward\(\)` with `acc.backward\(loss\)`"):
+        optimizer.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+
+
+def test_16_mixed_plain_backward_after_scaled_steps_still_raises():
+    acc, model, optimizer, x = _fp16_setup()
+    acc.backward(model(x).pow(2).mean())
+    optimizer.step()
+    optimizer.zero_grad()
+    model(x).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match="16-mixed"):
+        optimizer.step()
+
+
+def test_16_mixed_two_optimizers_each_after_their_own_backward():
+    acc = _accelerator("16-mixed")
+    first, second = nn.Linear(4, 1), nn.Linear(4, 1)
+    first, opt_first = acc.setup(first, torch.optim.SGD(first.parameters(), lr=0.1))
+    second, opt_second = acc.setup(second, torch.optim.SGD(second.parameters(), lr=0.1))
+    x = 0.01 * torch.randn(8, 4)
+    for _ in range(2):  # GAN-style: backward, step, backward, step
+        acc.backward(first(x).pow(2).mean())
+        opt_first.step()
+        acc.backward(second(x).pow(2).mean())
+        opt_second.step()

@@ -1,5 +1,8 @@
 """Resolution of the Accelerator's arguments: strings, devices, ``minifabric run`` settings, clusters."""
 
+import warnings
+from typing import get_args
+
 import pytest
 import torch
 from lightning_fabric.plugins.environments import (
@@ -7,11 +10,11 @@ from lightning_fabric.plugins.environments import (
     TorchElasticEnvironment,
 )
 
-from minifabric import Accelerator, DDPStrategy, SingleDeviceStrategy
+from minifabric import Accelerator, DDPStrategy, FSDPStrategy, SingleDeviceStrategy
 from minifabric.environment import LocalEnvironment, detect_cluster_environment
 from minifabric.launcher import JoinLauncher, LocalLauncher
 from minifabric.precision import PRECISIONS
-from minifabric.resolve import ACCELERATORS, STRATEGIES
+from minifabric.resolve import ACCELERATORS, STRATEGIES, canonical
 
 _CLUSTER_VARS = (
     "TORCHELASTIC_RUN_ID",
@@ -181,3 +184,91 @@ def test_interactive_slurm_is_not_a_cluster(monkeypatch):
     monkeypatch.setenv("SLURM_NTASKS", "1")
     monkeypatch.setenv("SLURM_JOB_NAME", "bash")
     assert type(detect_cluster_environment()) is LocalEnvironment
+
+
+@pytest.mark.parametrize(
+    ("precision", "expected", "warns"),
+    [
+        (16, "16-mixed", True),
+        ("16", "16-mixed", True),
+        ("bf16", "bf16-mixed", True),
+        (32, "32-true", False),
+        ("32", "32-true", False),
+        (64, "64-true", False),
+        ("64", "64-true", False),
+        ("BF16-Mixed", "bf16-mixed", False),
+        ("16-true", "16-true", False),
+    ],
+)
+def test_fabric_precision_spellings_mean_what_they_mean_in_fabric(precision, expected, warns):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc = Accelerator(accelerator="cpu", precision=precision)
+    assert acc.precision.name == expected
+    notes = [str(w.message) for w in caught if "historical spelling" in str(w.message)]
+    assert len(notes) == (1 if warns else 0), notes
+    if warns:
+        assert f'precision="{expected}"' in notes[0] and "\n" not in notes[0]
+
+
+def test_fabric_aliases_match_lightning_fabrics_own_conversion():
+    from lightning_fabric.connector import _convert_precision_to_unified_args
+    from lightning_fabric.plugins.precision.precision import _PRECISION_INPUT_INT, _PRECISION_INPUT_STR_ALIAS
+
+    for alias in (*get_args(_PRECISION_INPUT_INT), *get_args(_PRECISION_INPUT_STR_ALIAS)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert canonical("precision", alias) == _convert_precision_to_unified_args(alias)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "strategy_cls"),
+    [("DDP", DDPStrategy), ("Fsdp", FSDPStrategy), (" ddp ", DDPStrategy), ("ddp_spawn", DDPStrategy)],
+)
+def test_strategy_names_are_case_insensitive(strategy, strategy_cls):
+    assert type(Accelerator(accelerator="cpu", devices=2, strategy=strategy).strategy) is strategy_cls
+
+
+def test_find_unused_parameters_alias_configures_ddp():
+    acc = Accelerator(accelerator="cpu", devices=2, strategy="ddp_find_unused_parameters_true")
+    assert isinstance(acc.strategy, DDPStrategy)
+    assert acc.strategy.ddp_kwargs.get("find_unused_parameters") is True
+
+
+def test_accelerator_names_are_case_insensitive():
+    assert Accelerator(accelerator="CPU").device == torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "suggested"),
+    [
+        ({"strategy": "fdsp"}, 'strategy="fsdp"'),
+        ({"strategy": "fsdp-cpu-offload"}, 'strategy="fsdp_cpu_offload"'),
+        ({"strategy": "deepspeed_stage_3"}, 'strategy="fsdp"'),
+        ({"strategy": "dp"}, 'strategy="ddp"'),
+        ({"precision": "16mixed"}, 'precision="16-mixed"'),
+        ({"precision": "fp16"}, 'precision="16-mixed"'),
+        ({"precision": "bfloat16"}, 'precision="bf16-mixed"'),
+        ({"precision": "transformer-engine"}, 'precision="bf16-mixed"'),
+        ({"accelerator": "cpuu"}, 'accelerator="cpu"'),
+    ],
+)
+def test_unknown_strings_suggest_the_closest_valid_value(kwargs, suggested):
+    ((name, value),) = kwargs.items()
+    with pytest.raises(ValueError, match=f"Unknown {name}={value!r}. Did you mean") as info:
+        Accelerator(**kwargs)
+    assert suggested in str(info.value)
+
+
+@pytest.mark.parametrize("precision", [8, 16.0, True, None, "half-mixed-precision"])
+def test_other_precisions_raise_listing_the_valid_ones(precision):
+    with pytest.raises(ValueError, match="Choose one of '32-true'"):
+        Accelerator(accelerator="cpu", precision=precision)
+
+
+def test_alias_of_the_default_lets_the_cli_setting_decide(monkeypatch):
+    monkeypatch.setenv("MINIFABRIC_STRATEGY", "ddp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "the script's value is used" warning: DDP is ddp
+        acc = Accelerator(accelerator="cpu", devices=2, strategy="DDP")
+    assert isinstance(acc.strategy, DDPStrategy)
