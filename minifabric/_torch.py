@@ -5,11 +5,14 @@ Everything version-specific or private lives here, so a torch upgrade touches on
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-__all__ = ["check_torch_version", "checkpoint_activations", "tree_map"]
+__all__ = ["check_torch_version", "checkpoint_activations", "register_global_step_pre_hook", "tree_map"]
 
 MIN_TORCH_VERSION = (2, 6)
 
@@ -38,3 +41,14 @@ def checkpoint_activations(module: nn.Module) -> None:
     from torch.distributed._composable.checkpoint_activation import checkpoint
 
     checkpoint(module)
+
+
+def register_global_step_pre_hook(hook: Callable[[Any, Any, Any], None]) -> Any:
+    """Call ``hook(optimizer, args, kwargs)`` before every ``step()`` of every optimizer in the process.
+
+    A process-wide switch: the caller owns the returned handle and must ``.remove()`` it as soon as
+    it is not needed (see ``strategies/rebind.py``, which keeps it only while orphaned parameters live).
+    """
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    return register_optimizer_step_pre_hook(hook)

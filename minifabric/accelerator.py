@@ -7,6 +7,7 @@ lives in the strategy, never here.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,7 +23,7 @@ from minifabric.data import distributed_dataloader
 from minifabric.precision import Precision, PrecisionInput
 from minifabric.resolve import AcceleratorStr, StrategyStr, apply_cli_settings, resolve
 from minifabric.seed import seed_everything as _seed_everything
-from minifabric.strategies.rebind import optimizer_parameters, parameter_names, rebind_optimizer
+from minifabric.strategies.rebind import OrphanWatch, optimizer_parameters, parameter_names, rebind_optimizer
 from minifabric.strategies.strategy import Strategy
 from minifabric.wrappers import _WrappedDataLoader, _WrappedModule, _WrappedOptimizer
 
@@ -33,7 +34,7 @@ class Accelerator:
     Args:
         accelerator: ``"auto"`` (CUDA if available), ``"cpu"`` or ``"cuda"``.
         strategy: ``"auto"`` (one device: ``"single"``, more: ``"ddp"``), ``"single"``, ``"ddp"``,
-            ``"fsdp"``, ``"fsdp_cpu_offload"``, or a :class:`~minifabric.strategies.Strategy` instance.
+            ``"fsdp"``, ``"fsdp_cpu_offload"``, or a [`Strategy`][minifabric.Strategy] instance.
         devices: processes per node: an int, ``"auto"``, or a list of CUDA device indices.
         num_nodes: number of machines.
         precision: ``"32-true"``, ``"64-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ``"16-mixed"``, ``"16-true"``.
@@ -76,6 +77,9 @@ class Accelerator:
         self._seed = 0
         # (parameter ids before setup -> names, module) for optimizers set up after their module
         self._setups: list[tuple[dict[int, str], nn.Module]] = []
+        # raises at step() of an optimizer left holding parameters that setup replaced
+        self._orphans = OrphanWatch()
+        weakref.finalize(self, self._orphans.close)
 
     # ---- properties --------------------------------------------------------------------------
 
@@ -228,7 +232,7 @@ class Accelerator:
         return (model, *wrapped)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Set up only the model (see :meth:`setup`)."""
+        """Set up only the model (see [`setup`][minifabric.Accelerator.setup])."""
         if isinstance(module, _WrappedModule) or getattr(module, "_minifabric_setup", False):
             raise RuntimeError(
                 f"This {type(module.module if isinstance(module, _WrappedModule) else module).__name__} was"
@@ -238,14 +242,15 @@ class Accelerator:
             raise TypeError(f"`acc.setup` needs a torch.nn.Module first, got {type(module).__name__}.")
         self._ensure_launched()
         names = parameter_names(module)
-        forward_module = self._strategy.setup_module(module)
+        with self._orphans.watch(module):
+            forward_module = self._strategy.setup_module(module)
         module._minifabric_setup = True  # type: ignore[assignment]
         self._setups.append((names, module))
         self._setup_done = True
         return _WrappedModule(forward_module, module, self._strategy)
 
     def setup_optimizers(self, *optimizers: Optimizer) -> Any:
-        """Set up optimizers whose model was set up with :meth:`setup_module`; returns one or a tuple."""
+        """Set up optimizers whose model was set up with [`setup_module`][minifabric.Accelerator.setup_module]; returns one or a tuple."""
         if not optimizers:
             raise ValueError("`acc.setup_optimizers()` needs at least one optimizer.")
         wrapped = []

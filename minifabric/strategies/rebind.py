@@ -2,13 +2,21 @@
 
 Materializing meta parameters or sharding replaces parameter objects; an optimizer created earlier
 would keep stepping the old ones and train nothing. Parameters are matched by their qualified name,
-which ``to_empty`` and ``fully_shard`` both preserve.
+which ``to_empty`` and ``fully_shard`` both preserve. An optimizer that is never passed to ``setup``
+cannot be rebound: `OrphanWatch` makes its first ``step()`` raise instead.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
 from torch import nn
 from torch.optim import Optimizer
+
+from minifabric._torch import register_global_step_pre_hook
 
 
 def optimizer_parameters(optimizer: Optimizer) -> list:
@@ -57,3 +65,77 @@ def rebind_optimizer(optimizer: Optimizer, names_before: dict[int, str], module:
         )
     for new_params, group in zip(new_groups, optimizer.param_groups, strict=True):
         group["params"] = new_params
+
+
+class OrphanWatch:
+    """Raise at ``step()`` of an optimizer that still holds parameters ``setup`` replaced.
+
+    ``model = acc.setup(model)`` under FSDP (or after ``init_module(empty_init=True)``) gives the
+    model new parameter objects. An optimizer built before and never passed to ``setup`` would step
+    the old ones: the run finishes, and the model never changed. While any replaced parameter is
+    alive (only such an optimizer, or the user, can still hold it), a process-wide optimizer step
+    pre-hook checks each optimizer before its step; once the last one is freed (the optimizer was
+    set up and rebound, or dropped), the hook is removed. Optimizers found clean are remembered, so
+    the check costs one dictionary lookup per step.
+    """
+
+    def __init__(self) -> None:
+        self._names: dict[int, str] = {}  # id of a replaced parameter that is alive -> its name
+        self._refs: dict[int, weakref.ref] = {}
+        self._clean: weakref.WeakKeyDictionary[Optimizer, int] = weakref.WeakKeyDictionary()
+        self._handle: Any = None
+
+    @contextmanager
+    def watch(self, module: nn.Module) -> Iterator[None]:
+        """Around ``setup``: afterwards, watch ``module``'s former parameters that ``setup`` replaced."""
+        before = {id(p): (name, p) for name, p in module.named_parameters(remove_duplicate=False)}
+        yield
+        self._track(before, module)
+        before.clear()  # the watch holds the replaced parameters only weakly: drop them now
+
+    def _track(self, before: dict[int, tuple[str, nn.Parameter]], module: nn.Module) -> None:
+        current = {id(p) for p in module.parameters()}
+        for key, (name, param) in before.items():
+            if key not in current and key not in self._refs:
+                self._refs[key] = weakref.ref(param, lambda _, key=key: self._forget(key))
+                self._names[key] = name
+        if self._refs:
+            self._clean.clear()
+            if self._handle is None:
+                self._handle = register_global_step_pre_hook(self._check)
+
+    @property
+    def active(self) -> bool:
+        """Whether the step pre-hook is registered (some replaced parameter is still alive)."""
+        return self._handle is not None
+
+    def close(self) -> None:
+        """Stop watching and remove the hook."""
+        self._refs.clear()
+        self._names.clear()
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _forget(self, key: int) -> None:
+        self._refs.pop(key, None)
+        self._names.pop(key, None)
+        if not self._refs:
+            self.close()
+
+    def _check(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        params = optimizer_parameters(optimizer)
+        if self._clean.get(optimizer) == len(params):
+            return
+        orphaned = [self._names[id(p)] for p in params if id(p) in self._names]
+        if not orphaned:
+            self._clean[optimizer] = len(params)
+            return
+        shown = ", ".join(orphaned[:4]) + (", ..." if len(orphaned) > 4 else "")
+        raise RuntimeError(
+            f"This {type(optimizer).__name__} holds {len(orphaned)} parameter(s) that `acc.setup` replaced"
+            f" ({shown}): its step() would leave the model unchanged. Pass the optimizer to setup:"
+            " `model, optimizer = acc.setup(model, optimizer)` (or `optimizer ="
+            " acc.setup_optimizers(optimizer)` after `acc.setup_module(model)`), or build it after setup"
+            " from the returned model's parameters."
+        )
