@@ -6,7 +6,7 @@
 ``--devices`` and ``--num-nodes`` to the script's ``Accelerator()`` through environment variables.
 
 Each subcommand is one ``_add_<name>(commands)`` function that adds its parser and sets
-``handler``, the function :func:`main` calls with the parsed arguments; a new subcommand is one
+``handler``, the function `main` calls with the parsed arguments; a new subcommand is one
 more such function listed in ``_SUBCOMMANDS``. Help texts are plain words: argparse prints them as
 they are.
 """

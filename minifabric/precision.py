@@ -2,10 +2,10 @@
 
 Three small classes cover the six precision strings:
 
-- :class:`Precision` (``"32-true"``): nothing to do.
-- :class:`TruePrecision` (``"64-true"``, ``"bf16-true"``, ``"16-true"``): parameters, inputs and
+- `Precision` (``"32-true"``): nothing to do.
+- `TruePrecision` (``"64-true"``, ``"bf16-true"``, ``"16-true"``): parameters, inputs and
   new tensors all live in one dtype.
-- :class:`MixedPrecision` (``"bf16-mixed"``, ``"16-mixed"``): float32 parameters, forward under
+- `MixedPrecision` (``"bf16-mixed"``, ``"16-mixed"``): float32 parameters, forward under
   ``torch.autocast``; ``"16-mixed"`` adds a gradient scaler so small fp16 gradients do not flush to zero.
 """
 
@@ -96,7 +96,7 @@ class Precision:
         return {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what [`state_dict`][minifabric.Precision.state_dict] returned."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"

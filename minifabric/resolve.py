@@ -80,6 +80,12 @@ _HINTS: dict[str, dict[str, str]] = {
     },
 }
 
+# where Fabric warns and reads "16-mixed" as "bf16-mixed"; here it means what it says
+_FP16_ON_CPU = (
+    'precision="16-mixed" on CPU runs float16 autocast with a loss scaler (Lightning Fabric switches to'
+    ' "bf16-mixed" on CPU); precision="bf16-mixed" is usually faster there and needs no scaler.'
+)
+
 #: environment variables through which ``minifabric run`` passes its flags to ``Accelerator()``
 ENV_SETTINGS = {
     "accelerator": "MINIFABRIC_ACCELERATOR",
@@ -289,6 +295,8 @@ def resolve(
         device = torch.device("cpu")
 
     world_size = num_processes * num_nodes
+    if precision == "16-mixed" and device_type == "cpu":
+        warnings.warn(_FP16_ON_CPU, UserWarning, stacklevel=3)
     precision_plugin = precision_from_string(precision, device_type)
     strategy_obj = (
         strategy

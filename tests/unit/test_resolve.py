@@ -272,3 +272,9 @@ def test_alias_of_the_default_lets_the_cli_setting_decide(monkeypatch):
         warnings.simplefilter("error")  # no "the script's value is used" warning: DDP is ddp
         acc = Accelerator(accelerator="cpu", devices=2, strategy="DDP")
     assert isinstance(acc.strategy, DDPStrategy)
+
+
+def test_16_mixed_on_cpu_keeps_float16_with_a_note():
+    with pytest.warns(UserWarning, match='Lightning Fabric switches to "bf16-mixed" on CPU'):
+        acc = Accelerator(accelerator="cpu", precision="16-mixed")
+    assert acc.precision.compute_dtype == torch.float16
