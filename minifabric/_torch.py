@@ -12,7 +12,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-__all__ = ["check_torch_version", "checkpoint_activations", "register_global_step_pre_hook", "tree_map"]
+__all__ = [
+    "check_torch_version",
+    "checkpoint_activations",
+    "compile_in_place",
+    "register_global_step_pre_hook",
+    "split_compiled",
+    "tree_map",
+]
 
 MIN_TORCH_VERSION = (2, 6)
 
@@ -52,3 +59,28 @@ def register_global_step_pre_hook(hook: Callable[[Any, Any, Any], None]) -> Any:
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     return register_optimizer_step_pre_hook(hook)
+
+
+def split_compiled(module: nn.Module) -> tuple[nn.Module, Callable[[Callable], Callable] | None]:
+    """``(original module, the compile function it was wrapped with)`` for a ``torch.compile(model)``.
+
+    ``torch.compile(model)`` returns an ``OptimizedModule`` whose state dict keys carry an
+    ``_orig_mod.`` prefix. Its ``dynamo_ctx`` compiles any callable with the user's options
+    (backend, mode, fullgraph, ...), so the options survive re-applying compile elsewhere. For any
+    other module: ``(module, None)``.
+    """
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    compiler = None
+    while isinstance(module, OptimizedModule):
+        compiler = compiler or module.dynamo_ctx
+        module = module._orig_mod
+    return module, compiler
+
+
+def compile_in_place(module: nn.Module, compiler: Callable[[Callable], Callable]) -> None:
+    """Compile ``module``'s call in place, as ``module.compile(...)`` does, with any compile function.
+
+    The module keeps its class, its hooks and its parameter names (no ``_orig_mod.`` in keys).
+    """
+    module._compiled_call_impl = compiler(module._call_impl)

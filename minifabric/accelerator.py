@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from minifabric._arguments import CallWithAccelerator, check_state, point_scheduler_at, unwrap_state
+from minifabric._torch import split_compiled
 from minifabric.data import distributed_dataloader
 from minifabric.precision import Precision, PrecisionInput
 from minifabric.resolve import AcceleratorStr, StrategyStr, apply_cli_settings, resolve
@@ -241,9 +242,10 @@ class Accelerator:
         if not isinstance(module, nn.Module):
             raise TypeError(f"`acc.setup` needs a torch.nn.Module first, got {type(module).__name__}.")
         self._ensure_launched()
+        compiled, module = module, split_compiled(module)[0]  # the strategy re-applies the compile
         names = parameter_names(module)
         with self._orphans.watch(module):
-            forward_module = self._strategy.setup_module(module)
+            forward_module = self._strategy.setup_module(compiled)
         module._minifabric_setup = True  # type: ignore[assignment]
         self._setups.append((names, module))
         self._setup_done = True

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from minifabric.environment import DEFAULT_TIMEOUT, default_backend
+from minifabric.strategies.compile import CompileOption
 from minifabric.strategies.strategy import Strategy
 
 
@@ -31,6 +32,8 @@ class DDPStrategy(Strategy):
             parameters across ranks every this many optimizer steps (post-local SGD).
         zero_redundancy: shard optimizer state across ranks with ``ZeroRedundancyOptimizer`` (ZeRO-1).
         timeout: collective timeout. process_group_backend: override gloo/nccl.
+        compile: ``True`` or ``torch.compile`` keyword arguments: compile the DDP-wrapped model (DDP
+            splits the graph at its gradient buckets); see :class:`~minifabric.Strategy`.
         **ddp_kwargs: passed to ``DistributedDataParallel`` (``static_graph``,
             ``gradient_as_bucket_view``, ``find_unused_parameters``, ``bucket_cap_mb``, ...).
 
@@ -49,9 +52,10 @@ class DDPStrategy(Strategy):
         zero_redundancy: bool = False,
         timeout: timedelta | float = DEFAULT_TIMEOUT,
         process_group_backend: str | None = None,
+        compile: CompileOption = False,
         **ddp_kwargs: Any,
     ) -> None:
-        super().__init__(timeout=timeout, process_group_backend=process_group_backend)
+        super().__init__(timeout=timeout, process_group_backend=process_group_backend, compile=compile)
         if comm_hook is None and (comm_state is not None or comm_wrapper is not None):
             raise ValueError(
                 "DDPStrategy got `comm_state`/`comm_wrapper` without `comm_hook`. Pass the hook too, e.g."
@@ -75,8 +79,8 @@ class DDPStrategy(Strategy):
         self.zero_redundancy = zero_redundancy
         self.ddp_kwargs = ddp_kwargs
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
-        module = super().setup_module(module)
+    def _place_module(self, module: nn.Module) -> nn.Module:
+        module = super()._place_module(module)
         if self.world_size == 1:
             return module
         self._check_comm_hook_backend()

@@ -7,6 +7,7 @@ The wiring is done by plain functions (:mod:`~minifabric.strategies.fsdp_wrap` f
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Generator
 from contextlib import AbstractContextManager as ContextManager
@@ -22,6 +23,13 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from torch.optim import Optimizer
 
 from minifabric.environment import DEFAULT_TIMEOUT
+from minifabric.strategies.compile import (
+    CompileOption,
+    Compiler,
+    compile_modules,
+    resolve_compiler,
+    split_compiled,
+)
 from minifabric.strategies.fsdp_grads import clip_grad_norm_
 from minifabric.strategies.fsdp_init import materialize_sharded
 from minifabric.strategies.fsdp_wrap import (
@@ -41,6 +49,7 @@ from minifabric.strategies.meta_init import check_initializable, has_meta_parame
 from minifabric.strategies.rebind import optimizer_parameters
 from minifabric.strategies.strategy import Strategy
 
+log = logging.getLogger(__name__)
 StateDictStr = Literal["sharded", "full"]
 SHARDING_STRATEGIES: tuple[str, ...] = get_args(ShardingStr)
 STATE_DICT_TYPES: tuple[str, ...] = get_args(StateDictStr)
@@ -69,6 +78,9 @@ class FSDPStrategy(Strategy):
             derived from the Accelerator's ``precision``; its ``output_dtype`` applies to the root only.
         timeout: collective timeout (``timedelta`` or seconds).
         process_group_backend: override the backend (default: nccl on CUDA, gloo on CPU).
+        compile: ``True`` or ``torch.compile`` keyword arguments: compile each sharding unit (the
+            blocks auto-wrap finds) on its own before ``fully_shard``, so FSDP's hooks run around
+            every compiled block. A whole-model ``torch.compile(model)`` is re-applied that way.
 
     Example:
         >>> from minifabric import Accelerator, FSDPStrategy
@@ -87,8 +99,9 @@ class FSDPStrategy(Strategy):
         mixed_precision: MixedPrecisionPolicy | None = None,
         timeout: timedelta | float = DEFAULT_TIMEOUT,
         process_group_backend: str | None = None,
+        compile: CompileOption = False,
     ) -> None:
-        super().__init__(timeout=timeout, process_group_backend=process_group_backend)
+        super().__init__(timeout=timeout, process_group_backend=process_group_backend, compile=compile)
         _check_options(
             auto_wrap_policy,
             activation_checkpointing_policy,
@@ -155,16 +168,20 @@ class FSDPStrategy(Strategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Shard ``module`` in place (blocks, then root) and materialize it if it was built on meta."""
+        module, compiler = self._compiler(module)
         on_meta = has_meta_parameters(module)
         if on_meta:
             check_initializable(module)  # fail before any collective
         rng_state = init_rng_state(module)
         module = self.precision.convert_module(module)
         apply_activation_checkpointing(module, self.activation_checkpointing_policy)
+        blocks = [] if isinstance(module, FSDPModule) else self._blocks(module)
+        if compiler is not None:
+            compile_modules(blocks or sharded_submodules(module) or [module], compiler)
         if not isinstance(module, FSDPModule):
             shard_model(
                 module,
-                self._blocks(module),
+                blocks,
                 self.mesh,
                 reshard_after_forward=self._reshard_after_forward,
                 mp_policy=self.mp_policy,
@@ -173,6 +190,17 @@ class FSDPStrategy(Strategy):
         if on_meta:
             materialize_sharded(module, self.root_device, rng_state)
         return module
+
+    def _compiler(self, module: nn.Module) -> tuple[nn.Module, Compiler | None]:
+        """The module to shard and how to compile its units (see :mod:`~minifabric.strategies.compile`)."""
+        module, user_compiler = split_compiled(module)
+        if user_compiler is not None:
+            log.info(
+                "FSDP: torch.compile(model) was unwrapped; each sharding unit of %s is compiled on its"
+                " own before fully_shard instead, so FSDP's hooks run around the compiled blocks",
+                type(module).__name__,
+            )
+        return module, resolve_compiler(self.compile, user_compiler)
 
     def _blocks(self, module: nn.Module) -> list[nn.Module]:
         if not sharded_submodules(module):

@@ -34,6 +34,13 @@ from minifabric.environment import (
 )
 from minifabric.launcher import JoinLauncher, Launcher, LocalLauncher, install_rank_excepthook, watch_parent
 from minifabric.precision import Precision
+from minifabric.strategies.compile import (
+    CompileOption,
+    check_compile_option,
+    compile_modules,
+    resolve_compiler,
+    split_compiled,
+)
 from minifabric.strategies.meta_init import materialize, meta_init_context
 from minifabric.strategies.rebind import optimizer_parameters
 
@@ -49,6 +56,10 @@ class Strategy:
     Args:
         timeout: how long a collective may wait before it fails (``timedelta`` or seconds).
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: nccl on CUDA, gloo on CPU.
+        compile: ``torch.compile`` what the strategy runs: ``True`` (torch.compile's defaults) or a
+            dict of ``torch.compile`` keyword arguments (``{"mode": "max-autotune"}``). A model
+            passed as ``torch.compile(model)`` is compiled the same way, with its own options.
+            Parameter names and checkpoints never carry ``_orig_mod.``.
     """
 
     def __init__(
@@ -56,7 +67,10 @@ class Strategy:
         *,
         timeout: timedelta | float = DEFAULT_TIMEOUT,
         process_group_backend: str | None = None,
+        compile: CompileOption = False,
     ) -> None:
+        check_compile_option(compile)
+        self.compile = compile
         self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         self.process_group_backend = process_group_backend
         self.precision: Precision = Precision()
@@ -158,8 +172,17 @@ class Strategy:
         """Materialize, convert precision and move to device; return the module forward should call.
 
         ``module`` itself is changed in place (its parameters keep their names); the returned module
-        may wrap it.
+        may wrap it. A ``torch.compile(model)`` is unwrapped; the returned module is compiled.
         """
+        module, user_compiler = split_compiled(module)
+        forward_module = self._place_module(module)
+        compiler = resolve_compiler(self.compile, user_compiler)
+        if compiler is not None:
+            compile_modules([forward_module], compiler)
+        return forward_module
+
+    def _place_module(self, module: nn.Module) -> nn.Module:
+        """Materialize, convert precision and move to device (subclasses wrap the result)."""
         materialize(module, self.root_device)
         module = self.precision.convert_module(module)
         return module.to(self.root_device)
