@@ -46,6 +46,8 @@ def test_tiny_run_and_bit_exact_resume(tmp_path):
     assert (tmp_path / "resumed" / "checkpoint" / "COMMIT.json").is_file()  # a committed sharded checkpoint
     second = _run(tmp_path / "resumed", "--resume")
     assert "resumed from" in second and "at step 3" in second
+    assert "done: 6 steps" in straight and "done: 3 steps" in second  # the steps each run made
+    assert "final val loss" in second and "on all" in second  # says what the final validation covers
 
     a = json.loads((tmp_path / "straight" / "log.json").read_text())
     b = json.loads((tmp_path / "resumed" / "log.json").read_text())
