@@ -9,6 +9,7 @@ check_torch_version()
 from minifabric.accelerator import Accelerator  # noqa: E402
 from minifabric.checkpoint.errors import CheckpointError  # noqa: E402
 from minifabric.precision import MixedPrecision, Precision, TruePrecision  # noqa: E402
+from minifabric.seed import seed_everything  # noqa: E402
 from minifabric.strategies import DDPStrategy, SingleDeviceStrategy, Strategy, wrap  # noqa: E402
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ __all__ = [
     "SingleDeviceStrategy",
     "Strategy",
     "TruePrecision",
+    "seed_everything",
     "wrap",
 ]
 

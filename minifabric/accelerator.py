@@ -20,7 +20,9 @@ from torch.utils.data import DataLoader
 
 from minifabric._arguments import CallWithAccelerator, check_state, point_scheduler_at, unwrap_state
 from minifabric._torch import split_compiled
+from minifabric.callbacks import as_list, call_hook, check_loggers, log_metrics
 from minifabric.data import distributed_dataloader
+from minifabric.fabric_compat import present_precision_to_lightning, set_rank_zero, split_plugins, to_device
 from minifabric.precision import Precision, PrecisionInput
 from minifabric.resolve import AcceleratorStr, StrategyStr, apply_cli_settings, resolve
 from minifabric.seed import seed_everything as _seed_everything
@@ -40,6 +42,10 @@ class Accelerator:
         num_nodes: number of machines.
         precision: ``"32-true"``, ``"64-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ``"16-mixed"``, ``"16-true"``.
             Strings are read in any case, with Lightning Fabric's aliases (``16``, ``"bf16"``, ``32``, ...).
+        plugins: as in Fabric: a precision (string or plugin) and/or a lightning ``ClusterEnvironment``.
+        callbacks: objects whose methods :meth:`call` invokes by name.
+        loggers: loggers with ``log_metrics(metrics, step)`` (lightning-fabric's ``CSVLogger``,
+            ``TensorBoardLogger``, or your own); :meth:`log` writes to them from global rank 0.
 
     Example:
         >>> import torch
@@ -61,7 +67,14 @@ class Accelerator:
         devices: int | str | list[int] = "auto",
         num_nodes: int = 1,
         precision: PrecisionInput = "32-true",
+        plugins: Any = None,
+        callbacks: Any = None,
+        loggers: Any = None,
     ) -> None:
+        precision, environment = split_plugins(plugins, precision)
+        self._callbacks = as_list(callbacks, "callbacks")
+        self._loggers = as_list(loggers, "loggers")
+        check_loggers(self._loggers)
         settings = apply_cli_settings(
             {
                 "accelerator": accelerator,
@@ -71,11 +84,10 @@ class Accelerator:
                 "precision": precision,
             }
         )
-        parts = resolve(**settings)
+        parts = resolve(**settings, environment=environment)
         self._strategy = parts.strategy
         self._launched = False
         self._setup_done = False
-        self._seed = 0
         # (parameter ids before setup -> names, module) for optimizers set up after their module
         self._setups: list[tuple[dict[int, str], nn.Module]] = []
         # raises at step() of an optimizer left holding parameters that setup replaced
@@ -151,7 +163,14 @@ class Accelerator:
 
     def _join(self) -> None:
         self._strategy.setup_environment()
+        set_rank_zero(self.global_rank)
         self._launched = True
+
+    def _validate_launched(self) -> None:
+        # Lightning's utilities that take a Fabric (ThroughputMonitor) call this first, then read
+        # `strategy.precision` through lightning's precision classes.
+        self._ensure_launched()
+        present_precision_to_lightning(self.precision)
 
     def _ensure_launched(self) -> None:
         if self._launched:
@@ -298,7 +317,8 @@ class Accelerator:
             if not isinstance(loader, DataLoader):
                 raise TypeError(f"Expected a torch.utils.data.DataLoader, got {type(loader).__name__}.")
             if use_distributed_sampler:
-                loader = distributed_dataloader(loader, self.world_size, self.global_rank, self._seed)
+                seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # set by any seed_everything, as in Fabric
+                loader = distributed_dataloader(loader, self.world_size, self.global_rank, seed)
             out.append(_WrappedDataLoader(loader, self.device if move_to_device else None))
         return out[0] if len(out) == 1 else tuple(out)
 
@@ -414,7 +434,6 @@ class Accelerator:
         """Seed python, numpy (if installed) and torch on this rank; also seeds data shuffling."""
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise TypeError(f"seed must be an int, got {seed!r}.")
-        self._seed = seed
         return _seed_everything(seed, workers=workers)
 
     @contextmanager
@@ -426,3 +445,39 @@ class Accelerator:
         yield
         if rank == 0:
             self.barrier()
+
+    # ---- loggers, callbacks ------------------------------------------------------------------
+
+    @property
+    def loggers(self) -> list[Any]:
+        """The loggers passed as ``Accelerator(loggers=...)``."""
+        return self._loggers
+
+    @property
+    def logger(self) -> Any:
+        """The first logger (the main one)."""
+        if not self._loggers:
+            raise RuntimeError(
+                'No logger was given: `Accelerator(loggers=CSVLogger("logs"))`'
+                " (from lightning_fabric.loggers import CSVLogger)."
+            )
+        return self._loggers[0]
+
+    def log(self, name: str, value: Any, step: int | None = None) -> None:
+        """Log one scalar (a number or one-element tensor) to every logger, from global rank 0."""
+        self.log_dict({name: value}, step=step)
+
+    def log_dict(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        """Log several scalars to every logger, from global rank 0 (other ranks do nothing)."""
+        log_metrics(self._loggers, self.is_global_zero, metrics, step)
+
+    def call(self, hook_name: str, *args: Any, **kwargs: Any) -> None:
+        """Call ``hook_name(*args, **kwargs)`` on every callback that has that method.
+
+        Keyword arguments a callback's method does not take are left out, as in Fabric.
+        """
+        call_hook(self._callbacks, hook_name, *args, **kwargs)
+
+    def to_device(self, obj: Any) -> Any:
+        """Move a module, a tensor or a collection of tensors to ``acc.device``; returns it."""
+        return to_device(obj, self.device)

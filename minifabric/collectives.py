@@ -45,14 +45,36 @@ def all_reduce(data: Any, reduce_op: str, device: torch.device) -> Any:
     def reduce(value: Any) -> Any:
         if not isinstance(value, (torch.Tensor, int, float)):
             return value
-        tensor = _as_tensor(value, device).clone()
-        if world > 1:
-            dist.all_reduce(tensor, op=_REDUCE_OPS[reduce_op])
-        if reduce_op == "mean":
-            tensor = tensor / world if tensor.is_floating_point() else tensor.double() / world
-        return tensor
+        if not isinstance(value, torch.Tensor):  # a number: the result is a new tensor
+            tensor = torch.tensor(value, device=device)
+            if reduce_op == "mean" and not tensor.is_floating_point():
+                tensor = tensor.double()
+            return _reduce_in_place(tensor, reduce_op, world, device)
+        if reduce_op == "mean" and not (value.is_floating_point() or value.is_complex()):
+            raise TypeError(
+                f'all_reduce(reduce_op="mean") writes the mean into the tensor in place, but this tensor is'
+                f' {value.dtype}. Reduce a float copy: `acc.all_reduce(t.double())`, or use reduce_op="sum".'
+            )
+        return _reduce_in_place(value, reduce_op, world, device)
 
     return tree_map(reduce, data)
+
+
+def _reduce_in_place(tensor: torch.Tensor, reduce_op: str, world: int, device: torch.device) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks into itself (as Fabric does) and return it.
+
+    Outside autograd: reducing a loss before ``backward`` changes its value, not its gradients.
+    """
+    if world == 1:
+        return tensor
+    with torch.no_grad():
+        work = tensor.to(device).contiguous()  # the backend's device, e.g. a CPU tensor under NCCL
+        dist.all_reduce(work, op=_REDUCE_OPS[reduce_op])
+        if reduce_op == "mean":
+            work.div_(world)
+        if work is not tensor:
+            tensor.copy_(work)
+    return tensor
 
 
 def all_gather(data: Any, device: torch.device) -> Any:

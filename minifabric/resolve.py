@@ -248,8 +248,12 @@ def resolve(
     devices: Any,
     num_nodes: Any,
     precision: Any,
+    environment: ClusterEnvironment | None = None,
 ) -> Resolved:
-    """Validate the arguments and build environment, device, precision plugin and strategy."""
+    """Validate the arguments and build environment, device, precision plugin and strategy.
+
+    ``environment`` (from ``plugins=``) replaces the detected cluster environment.
+    """
     device_type = _accelerator_type(canonical("accelerator", accelerator))
     precision = canonical("precision", precision)
     strategy_options: dict[str, Any] = {}
@@ -260,7 +264,7 @@ def resolve(
     if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
         raise ValueError(f"num_nodes={num_nodes!r} must be a positive int, e.g. Accelerator(num_nodes=2).")
     indices = _device_indices(devices, device_type)
-    environment = detect_cluster_environment()
+    environment = environment if environment is not None else detect_cluster_environment()
     if isinstance(environment, LocalEnvironment) and environment.creates_processes_externally:
         environment.set_world_size(int(os.environ.get("WORLD_SIZE", 1)))
 

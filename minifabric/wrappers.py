@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from types import MethodType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,11 +20,20 @@ if TYPE_CHECKING:
     from minifabric.strategies.strategy import Strategy
 
 
+#: methods that run through the strategy like ``forward`` without being marked (as in Fabric)
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
 class _WrappedModule(nn.Module):
     """Runs forward under the precision context, converting inputs and outputs.
 
-    Attribute access falls through to the user's module, so ``model.config`` or ``model.generate``
-    still work. ``state_dict()`` is the user's module's (no wrapper prefixes).
+    ``training_step``, ``validation_step``, ``test_step``, ``predict_step`` and methods marked with
+    :meth:`mark_forward_method` run the same way, through the strategy's forward (so DDP
+    synchronizes their gradients, FSDP gathers the parameters, the precision applies). Other
+    methods fall through to the user's module, so ``model.config`` or ``model.generate`` still
+    work; where such a method runs the model's layers and the strategy or precision would have
+    done something in forward, a warning says so, once per method.
+    ``state_dict()`` is the user's module's (no wrapper prefixes).
     """
 
     def __init__(self, forward_module: nn.Module, original_module: nn.Module, strategy: Strategy) -> None:
@@ -29,6 +41,15 @@ class _WrappedModule(nn.Module):
         self._forward_module = forward_module
         self._original_module = original_module
         self._strategy = strategy
+        self._forward_methods = set(STEP_METHODS)
+        self._fsdp_registered: set[str] = set()
+        self._warned: set[str] = set()
+        # whether calling layers outside forward skips something: DDP, sharding, precision
+        self._tracks_methods = (
+            forward_module is not original_module
+            or strategy.world_size > 1
+            or strategy.precision.name != "32-true"
+        )
 
     @property
     def module(self) -> nn.Module:
@@ -42,6 +63,108 @@ class _WrappedModule(nn.Module):
             output = self._forward_module(*args, **kwargs)
         return precision.convert_output(output)
 
+    def mark_forward_method(self, method: str | MethodType) -> None:
+        """Run ``method`` of the user's module through the strategy's forward, like ``training_step``.
+
+        Example:
+            >>> import torch
+            >>> from minifabric import Accelerator
+            >>> class Net(torch.nn.Linear):
+            ...     def loss(self, x):
+            ...         return self(x).pow(2).mean()
+            >>> model = Accelerator(accelerator="cpu").setup(Net(2, 2))
+            >>> model.mark_forward_method("loss")
+            >>> model.loss(torch.ones(1, 2)).ndim
+            0
+        """
+        if not isinstance(method, (str, MethodType)):
+            raise TypeError(
+                f"mark_forward_method takes a method name or a bound method, got {method!r}:"
+                ' `model.mark_forward_method("generate")`.'
+            )
+        name = method if isinstance(method, str) else method.__name__
+        if name == "forward":
+            raise ValueError(
+                "`forward` runs through the strategy already; mark other methods, e.g. `generate`."
+            )
+        if not isinstance(getattr(self._original_module, name, None), MethodType):
+            raise ValueError(
+                f"mark_forward_method({name!r}): {type(self._original_module).__name__}.{name} is not a method."
+            )
+        self._forward_methods.add(name)
+
+    def _run_forward_method(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        precision = self._strategy.precision
+        args, kwargs = precision.convert_input((args, kwargs))
+        with self._strategy.forward_context():
+            if self._forward_module is self._original_module:
+                output = self._call_in_place(name, args, kwargs)
+            else:
+                output = self._call_through_wrapper(name, args, kwargs)
+        return precision.convert_output(output)
+
+    def _call_in_place(self, name: str, args: tuple, kwargs: dict) -> Any:
+        # The module is its own forward module (one device, or sharded in place by FSDP2): FSDP2
+        # runs its forward hooks (gather, cast, reshard) around a method registered with it.
+        if name not in self._fsdp_registered:
+            from torch.distributed.fsdp import register_fsdp_forward_method
+
+            register_fsdp_forward_method(self._original_module, name)  # a no-op unless sharded
+            self._fsdp_registered.add(name)
+        return getattr(self._original_module, name)(*args, **kwargs)
+
+    def _call_through_wrapper(self, name: str, args: tuple, kwargs: dict) -> Any:
+        # The wrapper (DDP) calls `module.forward`: point that at the method for this one call;
+        # the method itself sees the real forward again (it may call `self(x)`).
+        module = self._original_module
+        method = getattr(module, name)
+        own_forward = module.__dict__.get("forward")
+
+        def restore() -> None:
+            if own_forward is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = own_forward
+
+        def redirected(*a: Any, **k: Any) -> Any:
+            restore()
+            return method(*a, **k)
+
+        module.forward = redirected
+        try:
+            return self._forward_module(*args, **kwargs)
+        finally:
+            restore()
+
+    def _tracked(self, method: Callable[..., Any], name: str) -> Callable[..., Any]:
+        """``method``, warning once if it runs any of the model's layers (outside the strategy's forward)."""
+
+        @functools.wraps(method)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            ran: list[bool] = []
+            handles = [
+                m.register_forward_pre_hook(lambda *_: ran.append(True))
+                for m in self._original_module.modules()
+            ]
+            try:
+                return method(*args, **kwargs)
+            finally:
+                for handle in handles:
+                    handle.remove()
+                if ran and name not in self._warned:
+                    self._warned.add(name)
+                    cls = type(self._original_module).__name__
+                    warnings.warn(
+                        f"`{cls}.{name}()` ran the model's layers outside `model(...)`, so what the strategy and"
+                        f" precision do in forward (DDP gradient sync, FSDP gathering, {self._strategy.precision.name}"
+                        f" casts) did not apply to it. If it computes a loss or should run like forward, mark it"
+                        f' after setup: `model.mark_forward_method("{name}")`. (Warned once per method.)',
+                        UserWarning,
+                        stacklevel=2,
+                    )
+
+        return call
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self._original_module.state_dict(*args, **kwargs)
 
@@ -52,7 +175,18 @@ class _WrappedModule(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._original_module, name)
+            pass
+        original = super().__getattr__("_original_module")
+        if name in self.__dict__.get("_forward_methods", ()) and callable(getattr(original, name, None)):
+            return functools.partial(self._run_forward_method, name)
+        attr = getattr(original, name)
+        if (
+            self.__dict__.get("_tracks_methods")
+            and inspect.ismethod(attr)
+            and name not in self.__dict__["_warned"]
+        ):
+            return self._tracked(attr, name)
+        return attr
 
 
 class _WrappedOptimizer:

@@ -32,6 +32,7 @@ from minifabric.strategies.compile import (
 )
 from minifabric.strategies.fsdp_grads import clip_grad_norm_
 from minifabric.strategies.fsdp_init import materialize_sharded
+from minifabric.strategies.fsdp_options import broadcast_module_states, translate_fabric_options
 from minifabric.strategies.fsdp_wrap import (
     ShardingStr,
     WrapPolicy,
@@ -81,6 +82,12 @@ class FSDPStrategy(Strategy):
         compile: ``True`` or ``torch.compile`` keyword arguments: compile each sharding unit (the
             blocks auto-wrap finds) on its own before ``fully_shard``, so FSDP's hooks run around
             every compiled block. A whole-model ``torch.compile(model)`` is re-applied that way.
+        **fabric_options: Lightning Fabric's FSDP1 options, read as their FSDP2 meaning
+            (:mod:`~minifabric.strategies.fsdp_options`): ``sync_module_states=True`` broadcasts rank
+            0's weights before sharding; ``activation_checkpointing`` adds to the policy;
+            ``limit_all_gathers``, ``use_orig_params``, ``forward_prefetch``, ``backward_prefetch``,
+            ``device_id`` are accepted with one warning (FSDP2 has no such knob). ``CPUOffload``,
+            FSDP1 ``MixedPrecision``, ``ShardingStrategy`` and ``ModuleWrapPolicy`` values are accepted too.
 
     Example:
         >>> from minifabric import Accelerator, FSDPStrategy
@@ -100,8 +107,23 @@ class FSDPStrategy(Strategy):
         timeout: timedelta | float = DEFAULT_TIMEOUT,
         process_group_backend: str | None = None,
         compile: CompileOption = False,
+        **fabric_options: Any,
     ) -> None:
         super().__init__(timeout=timeout, process_group_backend=process_group_backend, compile=compile)
+        options = translate_fabric_options(
+            {
+                "auto_wrap_policy": auto_wrap_policy,
+                "activation_checkpointing_policy": activation_checkpointing_policy,
+                "sharding_strategy": sharding_strategy,
+                "cpu_offload": cpu_offload,
+                "mixed_precision": mixed_precision,
+            },
+            fabric_options,
+        )
+        auto_wrap_policy = options["auto_wrap_policy"]
+        activation_checkpointing_policy = options["activation_checkpointing_policy"]
+        sharding_strategy, cpu_offload = options["sharding_strategy"], options["cpu_offload"]
+        mixed_precision = options["mixed_precision"]
         _check_options(
             auto_wrap_policy,
             activation_checkpointing_policy,
@@ -110,6 +132,7 @@ class FSDPStrategy(Strategy):
             state_dict_type,
             mixed_precision,
         )
+        self.sync_module_states: bool = options["sync_module_states"]
         self.auto_wrap_policy = auto_wrap_policy
         self.activation_checkpointing_policy = set(activation_checkpointing_policy or ())
         self.sharding_strategy = sharding_strategy
@@ -173,6 +196,8 @@ class FSDPStrategy(Strategy):
         if on_meta:
             check_initializable(module)  # fail before any collective
         rng_state = init_rng_state(module)
+        if self.sync_module_states and not on_meta and not isinstance(module, FSDPModule):
+            broadcast_module_states(module, self.root_device)
         module = self.precision.convert_module(module)
         apply_activation_checkpointing(module, self.activation_checkpointing_policy)
         blocks = [] if isinstance(module, FSDPModule) else self._blocks(module)

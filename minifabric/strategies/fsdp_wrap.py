@@ -196,6 +196,43 @@ def sharded_submodules(module: nn.Module) -> list[nn.Module]:
     return [sub for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule)]
 
 
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def shard_norms_in_float32(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    reshard_after_forward: bool,
+    mp_policy: MixedPrecisionPolicy,
+    offload: OffloadPolicy,
+) -> None:
+    """Shard each batch-norm layer under ``module`` as its own unit that keeps float32 parameters.
+
+    Under a low-precision ``param_dtype`` a batch norm would get bf16/fp16 weights next to its
+    float32 running statistics, which ``batch_norm`` refuses. As with autocast (and FSDP1's
+    mixed precision), the layer keeps float32 weights and statistics and takes the low-precision
+    activations as they are; its output stays in their dtype.
+    """
+    if mp_policy.param_dtype in (None, torch.float32):
+        return
+    keep = MixedPrecisionPolicy(reduce_dtype=mp_policy.reduce_dtype, cast_forward_inputs=False)
+    for sub in list(module.modules()):
+        if (
+            sub is not module
+            and isinstance(sub, _BATCH_NORMS)
+            and not isinstance(sub, FSDPModule)
+            and any(True for _ in sub.parameters(recurse=False))
+        ):
+            fully_shard(
+                sub,
+                mesh=mesh,
+                reshard_after_forward=reshard_after_forward,
+                mp_policy=keep,
+                offload_policy=offload,
+            )
+
+
 def shard_module(
     module: nn.Module,
     mesh: DeviceMesh,
@@ -204,7 +241,10 @@ def shard_module(
     mp_policy: MixedPrecisionPolicy,
     offload: OffloadPolicy,
 ) -> nn.Module:
-    """``fully_shard`` one module in place and return it."""
+    """``fully_shard`` one module in place (its batch norms first, in float32) and return it."""
+    shard_norms_in_float32(
+        module, mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, offload=offload
+    )
     fully_shard(
         module,
         mesh=mesh,
