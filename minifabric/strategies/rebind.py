@@ -85,6 +85,11 @@ class OrphanWatch:
         self._clean: weakref.WeakKeyDictionary[Optimizer, int] = weakref.WeakKeyDictionary()
         self._handle: Any = None
 
+    def __reduce__(self) -> tuple[type, tuple]:
+        # an Accelerator is pickled into the processes `acc.launch(fn)` spawns: parameters do not
+        # cross processes, so the copy starts watching nothing
+        return (OrphanWatch, ())
+
     @contextmanager
     def watch(self, module: nn.Module) -> Iterator[None]:
         """Around ``setup``: afterwards, watch ``module``'s former parameters that ``setup`` replaced."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import pickle
 
 import pytest
 import torch
@@ -102,3 +103,13 @@ def test_eager_single_device_keeps_the_parameters_so_an_old_optimizer_still_trai
     model(torch.randn(2, 4)).sum().backward()
     optimizer.step()
     assert not torch.equal(before, model.weight)
+
+
+def test_the_accelerator_still_pickles_for_spawned_processes(acc):
+    model = _meta_model(acc)
+    stale = torch.optim.SGD(model.parameters(), lr=0.1)  # noqa: F841 (kept alive on purpose)
+    acc.setup(model)
+    assert acc._orphans.active
+    copy = pickle.loads(pickle.dumps(acc._orphans))
+    assert not copy.active
+    pickle.dumps(Accelerator(accelerator="cpu", devices=2))  # what acc.launch(fn) sends to each process
