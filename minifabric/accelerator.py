@@ -228,6 +228,18 @@ class Accelerator:
         (FSDP). Optimizers built before ``setup`` (even over meta parameters) are rebound to the
         new parameters. A scheduler passed here is pointed at the returned optimizer.
 
+        Args:
+            module: the model.
+            *optimizers: its optimizers, built before or after the model was created.
+            scheduler: an LR scheduler of the first optimizer, returned last.
+
+        Returns:
+            The model, or ``(model, *optimizers)``, or ``(model, *optimizers, scheduler)``.
+
+        Raises:
+            RuntimeError: the model was already set up, or ``launch`` is needed first.
+            ValueError: an optimizer holds parameters of no model set up here.
+
         Example:
             >>> import torch
             >>> from minifabric import Accelerator
@@ -252,7 +264,14 @@ class Accelerator:
         return (model, *wrapped)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Set up only the model (see [`setup`][minifabric.Accelerator.setup])."""
+        """Set up only the model (see [`setup`][minifabric.Accelerator.setup]).
+
+        Args:
+            module: the model.
+
+        Returns:
+            The set-up model: call it like the original; ``.module`` is the original module.
+        """
         if isinstance(module, _WrappedModule) or getattr(module, "_minifabric_setup", False):
             raise RuntimeError(
                 f"This {type(module.module if isinstance(module, _WrappedModule) else module).__name__} was"
@@ -271,7 +290,15 @@ class Accelerator:
         return _WrappedModule(forward_module, module, self._strategy)
 
     def setup_optimizers(self, *optimizers: Optimizer) -> Any:
-        """Set up optimizers whose model was set up with [`setup_module`][minifabric.Accelerator.setup_module]; returns one or a tuple."""
+        """Set up optimizers whose model was set up with [`setup_module`][minifabric.Accelerator.setup_module].
+
+        Args:
+            *optimizers: optimizers over the parameters of models already set up (or of their
+                originals: they are rebound to the parameters ``setup`` produced).
+
+        Returns:
+            One optimizer, or a tuple of them.
+        """
         if not optimizers:
             raise ValueError("`acc.setup_optimizers()` needs at least one optimizer.")
         wrapped = []
@@ -307,7 +334,15 @@ class Accelerator:
         """Give each rank its part of every epoch and move batches to ``acc.device``.
 
         The returned loaders set the sampler's epoch on every new pass and can be saved in a
-        checkpoint to resume mid-epoch. Returns one loader or a tuple.
+        checkpoint to resume mid-epoch.
+
+        Args:
+            *dataloaders: the loaders.
+            use_distributed_sampler: give each rank its own part of the data (a ``DistributedSampler``).
+            move_to_device: move every batch to ``acc.device``.
+
+        Returns:
+            One loader, or a tuple of them.
         """
         if not dataloaders:
             raise ValueError("`acc.setup_dataloaders()` needs at least one DataLoader.")
@@ -327,7 +362,17 @@ class Accelerator:
     def backward(
         self, tensor: torch.Tensor, *args: Any, model: nn.Module | None = None, **kwargs: Any
     ) -> None:
-        """``tensor.backward()`` through the precision plugin (loss scaling for ``"16-mixed"``)."""
+        """``tensor.backward()`` through the precision plugin (loss scaling for ``"16-mixed"``).
+
+        Use it instead of ``loss.backward()``: under ``"16-mixed"`` a step after a plain
+        ``loss.backward()`` raises.
+
+        Args:
+            tensor: the loss.
+            *args: passed to ``tensor.backward``.
+            model: the model the loss came from, when several are set up.
+            **kwargs: passed to ``tensor.backward``.
+        """
         module = model.module if isinstance(model, _WrappedModule) else model
         self._strategy.backward(tensor, module, *args, **kwargs)
 
@@ -342,6 +387,19 @@ class Accelerator:
         """Clip gradients by total norm (``max_norm``) or by value (``clip_val``); returns the total norm.
 
         The norm is taken over all shards: the number a single process would compute.
+
+        Args:
+            module: the set-up model.
+            optimizer: its set-up optimizer (its gradients are unscaled first under ``"16-mixed"``).
+            max_norm: clip so that the total norm is at most this.
+            clip_val: clip every gradient element to ``[-clip_val, clip_val]``.
+            norm_type: the p of the p-norm.
+
+        Returns:
+            The total norm before clipping (with ``max_norm``), else None.
+
+        Raises:
+            ValueError: both or neither of ``max_norm`` and ``clip_val`` were given.
         """
         if (max_norm is None) == (clip_val is None):
             raise ValueError(
@@ -356,7 +414,12 @@ class Accelerator:
         return None
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> Any:
-        """Context manager: no gradient communication inside (for gradient accumulation)."""
+        """Context manager: no gradient communication inside (for gradient accumulation).
+
+        Args:
+            module: the model ``setup`` returned.
+            enabled: ``False`` turns it into a no-op (the last micro-batch, which synchronizes).
+        """
         if not isinstance(module, _WrappedModule):
             raise TypeError(
                 f"`no_backward_sync` needs the model returned by `acc.setup`, got {type(module).__name__}:"
@@ -376,6 +439,14 @@ class Accelerator:
         Call on every rank. Under FSDP this writes a sharded checkpoint folder by default. Until it
         completes, ``path`` still holds the previous checkpoint. With ``asynchronous=True`` returns a
         handle with ``.wait()`` and training may continue while the files are written.
+
+        Args:
+            path: a file (one-file checkpoints) or a folder (sharded, the default under FSDP).
+            state: names to modules, optimizers, objects with ``state_dict()``, tensors and plain values.
+            asynchronous: write in the background.
+
+        Returns:
+            With ``asynchronous=True``, a handle whose ``.wait()`` blocks until the save is committed.
         """
         check_state(state)
         return self._strategy.save_checkpoint(Path(path), unwrap_state(state), asynchronous=asynchronous)
@@ -387,6 +458,18 @@ class Accelerator:
 
         Modules, optimizers and stateful objects are loaded in place; plain values are copied back into
         ``state``. With ``state=None`` everything is returned.
+
+        Args:
+            path: a checkpoint written by ``save`` (any world size, sharded or one file).
+            state: what to restore, keyed as when saving.
+            strict: raise on missing or unexpected keys (``False``: warn and load what matches).
+
+        Returns:
+            The checkpoint's entries that ``state`` did not ask for.
+
+        Raises:
+            CheckpointError: no checkpoint at ``path``, an interrupted save, or keys and shapes that
+                do not match.
         """
         from minifabric.checkpoint.state import is_stateful  # imports DTensor: only when loading
 
@@ -401,7 +484,13 @@ class Accelerator:
         return remainder
 
     def load_raw(self, path: str | os.PathLike, obj: nn.Module | Optimizer, strict: bool = True) -> None:
-        """Load a plain ``torch.save(model.state_dict())`` file (or a consolidated checkpoint) into ``obj``."""
+        """Load a plain ``torch.save(model.state_dict())`` file (or a consolidated checkpoint) into ``obj``.
+
+        Args:
+            path: the file.
+            obj: a module or optimizer (set up or not).
+            strict: raise on missing or unexpected keys.
+        """
         target = unwrap_state({"obj": obj})["obj"]
         if not isinstance(target, (nn.Module, Optimizer)):
             raise TypeError(f"`load_raw` loads into a module or optimizer, got {type(obj).__name__}.")
