@@ -264,16 +264,18 @@ def resolve(
     if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
         raise ValueError(f"num_nodes={num_nodes!r} must be a positive int, e.g. Accelerator(num_nodes=2).")
     indices = _device_indices(devices, device_type)
-    environment = environment if environment is not None else detect_cluster_environment()
-    if isinstance(environment, LocalEnvironment) and environment.creates_processes_externally:
-        environment.set_world_size(int(os.environ.get("WORLD_SIZE", 1)))
+    env: ClusterEnvironment | LocalEnvironment = (
+        environment if environment is not None else detect_cluster_environment()
+    )
+    if isinstance(env, LocalEnvironment) and env.creates_processes_externally:
+        env.set_world_size(int(os.environ.get("WORLD_SIZE", 1)))
 
-    if environment.creates_processes_externally:
-        num_processes = local_world_size(environment, num_nodes)
+    if env.creates_processes_externally:
+        num_processes = local_world_size(env, num_nodes)
         expected = len(indices) if indices is not None else devices
-        if isinstance(expected, int) and expected * num_nodes != environment.world_size():
+        if isinstance(expected, int) and expected * num_nodes != env.world_size():
             raise ValueError(
-                f"{type(environment).__name__} started {environment.world_size()} processes, but"
+                f"{type(env).__name__} started {env.world_size()} processes, but"
                 f" Accelerator(devices={devices!r}, num_nodes={num_nodes!r}) expects"
                 f' {expected * num_nodes}. Pass devices="auto" to take the launcher\'s numbers.'
             )
@@ -291,7 +293,7 @@ def resolve(
         else:
             num_processes = devices
 
-    local_rank = environment.local_rank()
+    local_rank = env.local_rank()
     if device_type == "cuda":
         index = indices[local_rank] if indices is not None else local_rank
         device = torch.device("cuda", index)
@@ -308,13 +310,13 @@ def resolve(
         else strategy_from_string(strategy, world_size, **strategy_options)
     )
     strategy_obj.connect(
-        environment=environment,
+        environment=env,
         device=device,
         num_processes=num_processes,
         num_nodes=num_nodes,
         precision=precision_plugin,
     )
-    return Resolved(environment, device, num_processes, num_nodes, precision_plugin, strategy_obj)
+    return Resolved(env, device, num_processes, num_nodes, precision_plugin, strategy_obj)
 
 
 def strategy_from_string(name: str, world_size: int, **options: Any) -> Strategy:

@@ -8,6 +8,7 @@ cannot be rebound: `OrphanWatch` makes its first ``step()`` raise instead.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -102,7 +103,7 @@ class OrphanWatch:
         current = {id(p) for p in module.parameters()}
         for key, (name, param) in before.items():
             if key not in current and key not in self._refs:
-                self._refs[key] = weakref.ref(param, lambda _, key=key: self._forget(key))
+                self._refs[key] = weakref.ref(param, functools.partial(self._forget_ref, key))
                 self._names[key] = name
         if self._refs:
             self._clean.clear()
@@ -121,6 +122,9 @@ class OrphanWatch:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+
+    def _forget_ref(self, key: int, _ref: weakref.ref) -> None:
+        self._forget(key)
 
     def _forget(self, key: int) -> None:
         self._refs.pop(key, None)
