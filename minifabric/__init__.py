@@ -13,6 +13,7 @@ from minifabric.seed import seed_everything  # noqa: E402
 from minifabric.strategies import DDPStrategy, SingleDeviceStrategy, Strategy, wrap  # noqa: E402
 
 if TYPE_CHECKING:
+    from minifabric.estimate import estimate_memory
     from minifabric.strategies.fsdp import FSDPStrategy
 
 __version__ = "0.1.0"
@@ -27,6 +28,7 @@ __all__ = [
     "SingleDeviceStrategy",
     "Strategy",
     "TruePrecision",
+    "estimate_memory",
     "seed_everything",
     "wrap",
 ]
@@ -38,4 +40,8 @@ def __getattr__(name: str) -> Any:
         from minifabric.strategies.fsdp import FSDPStrategy
 
         return FSDPStrategy
+    if name == "estimate_memory":
+        from minifabric.estimate import estimate_memory
+
+        return estimate_memory
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

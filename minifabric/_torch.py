@@ -5,7 +5,8 @@ Everything version-specific or private lives here, so a torch upgrade touches on
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -16,6 +17,9 @@ __all__ = [
     "check_torch_version",
     "checkpoint_activations",
     "compile_in_place",
+    "fake_tensor_mode",
+    "fake_world",
+    "memory_tracker",
     "register_global_step_pre_hook",
     "split_compiled",
     "tree_map",
@@ -84,3 +88,51 @@ def compile_in_place(module: nn.Module, compiler: Callable[[Callable], Callable]
     The module keeps its class, its hooks and its parameter names (no ``_orig_mod.`` in keys).
     """
     module._compiled_call_impl = compiler(module._call_impl)
+
+
+@contextmanager
+def fake_world(world_size: int) -> Iterator[None]:
+    """A default process group of ``world_size`` fake ranks in this one process (no communication).
+
+    Collectives return at once with outputs of the right shape, so FSDP can be applied and run on
+    fake tensors as rank 0 of ``world_size``. Process-wide: refused while a real group exists, and
+    destroyed on exit.
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "estimate_memory simulates the ranks with its own process group, but one is already"
+            " initialized. Estimate before `acc.launch()`, or from the command line:"
+            " `minifabric estimate pkg.module:make_model ...`."
+        )
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def fake_tensor_mode() -> Any:
+    """torch's ``FakeTensorMode``: tensors carry shape, dtype and device but no data."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+def memory_tracker(module: nn.Module, optimizer: torch.optim.Optimizer, fsdp: bool) -> Any:
+    """torch's memory tracker over ``module`` and ``optimizer`` (``FSDPMemTracker`` for sharded ones).
+
+    Used as a context manager around training steps; ``get_tracker_snapshot("peak")`` then gives, per
+    device, the bytes of each kind of tensor at the peak.
+    """
+    if fsdp:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        return FSDPMemTracker(module, optimizer)
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(module, optimizer)
+    return tracker

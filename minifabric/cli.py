@@ -1,4 +1,5 @@
-"""The ``minifabric`` command: ``run`` starts a script's processes, ``consolidate`` merges a sharded checkpoint.
+"""The ``minifabric`` command: ``run`` starts a script's processes, ``consolidate`` merges a sharded checkpoint,
+``estimate`` tells whether a model fits.
 
 ``minifabric run`` is a thin layer over ``torch.distributed.run`` (torchrun): it starts
 ``--devices`` processes on this node, joins ``--num-nodes`` nodes through torchrun's rendezvous at
@@ -27,6 +28,7 @@ minifabric: run a PyTorch training loop on one device, data-parallel (DDP) or fu
 examples:
   minifabric run --devices 2 --strategy fsdp train.py --lr 0.01
   minifabric consolidate out/checkpoint model.pt
+  minifabric estimate pkg.models:make_model --strategy fsdp --world-size 8 --budget 80GiB
   minifabric run --help            (every option of a command)
 """
 
@@ -115,8 +117,76 @@ def _add_consolidate(commands: Any) -> None:
     consolidate.set_defaults(handler=_consolidate)
 
 
+def _add_estimate(commands: Any) -> None:
+    estimate = commands.add_parser(
+        "estimate",
+        help="estimate per-rank memory of a model x strategy x world size x precision",
+        description="Estimate the per-rank peak memory of a training step without allocating the model:"
+        " it is built and run on fake tensors (a 70B config takes as long as a small one).",
+    )
+    estimate.add_argument(
+        "model", help="a factory 'pkg.module:make_model' or a Hugging Face config.json (needs transformers)"
+    )
+    estimate.add_argument(
+        "--kwarg", action="append", default=[], metavar="KEY=VALUE",
+        help="a keyword argument for the factory, or a config field (VALUE is read as JSON if it parses)",
+    )  # fmt: skip
+    estimate.add_argument("--strategy", choices=("single", "ddp", "fsdp"), default="fsdp")
+    estimate.add_argument("--world-size", "--world_size", type=int, default=1, help="number of ranks")
+    estimate.add_argument("--precision", default="32-true", help='e.g. "bf16-mixed" (default: 32-true)')
+    estimate.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw")
+    estimate.add_argument(
+        "--batch-shape", "--batch_shape", default="1,512", help="one rank's input shape (default: 1,512)"
+    )
+    estimate.add_argument(
+        "--input-dtype", choices=("long", "float"), default="long", help="token ids or floats"
+    )
+    estimate.add_argument("--activation-checkpointing", action="store_true", help="recompute each block")
+    estimate.add_argument("--budget", default=None, help='memory per device, e.g. "80GiB"')
+    estimate.set_defaults(handler=_estimate)
+
+
+def _estimate(args: argparse.Namespace) -> None:
+    import json
+
+    import torch
+
+    from minifabric.estimate import estimate_memory
+
+    kwargs = {}
+    for item in args.kwarg:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(
+                f"minifabric estimate: --kwarg {item!r} must be KEY=VALUE, e.g. --kwarg n_layer=32."
+            )
+        try:
+            kwargs[key] = json.loads(value)
+        except json.JSONDecodeError:
+            kwargs[key] = value
+    try:
+        shape = tuple(int(n) for n in args.batch_shape.split(","))
+    except ValueError:
+        raise SystemExit(
+            f"minifabric estimate: --batch-shape {args.batch_shape!r} must be ints, e.g. 8,2048."
+        ) from None
+    result = estimate_memory(
+        args.model,
+        model_kwargs=kwargs,
+        strategy=args.strategy,
+        world_size=args.world_size,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        batch_shape=shape,
+        input_dtype=torch.long if args.input_dtype == "long" else torch.float32,
+        activation_checkpointing=args.activation_checkpointing,
+        budget=args.budget,
+    )
+    print(result)
+
+
 #: one function per subcommand, in the order ``minifabric --help`` lists them
-_SUBCOMMANDS: list[Callable[[Any], None]] = [_add_run, _add_consolidate]
+_SUBCOMMANDS: list[Callable[[Any], None]] = [_add_run, _add_consolidate, _add_estimate]
 
 
 def _version() -> str:

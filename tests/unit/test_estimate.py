@@ -1,0 +1,92 @@
+"""The memory estimator in one process: the block extrapolation, the advice, the CLI, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from minifabric import estimate_memory
+from minifabric.cli import main
+from minifabric.estimate import _advice, _estimate, _extrapolated, _trace, model_factory, parse_bytes
+from tests.models import GPT, GPTConfig
+
+SMALL = {"vocab_size": 512, "block_size": 32, "n_layer": 3, "n_head": 2, "n_embd": 64, "tied": False}
+
+
+def make_gpt(**kwargs: object) -> GPT:
+    return GPT(GPTConfig(**kwargs))  # type: ignore[arg-type]
+
+
+def test_extrapolating_from_three_and_four_blocks_equals_tracing_all_six() -> None:
+    six = {**SMALL, "n_layer": 6}
+    run = dict(
+        strategy="fsdp", world_size=2, precision="32-true", optimizer="adamw",
+        batch_shape=(2, 32), input_dtype=torch.long, activation_checkpointing=False,
+    )  # fmt: skip
+    factory = model_factory(make_gpt, six)
+    full = _estimate(_trace(factory, run, None), run)
+    assert _extrapolated(factory, run) == full
+    assert full.parameters > 0 and full.communication > 0 and full.activations > 0
+
+
+def test_budget_gives_the_largest_world_size_that_does_not_fit() -> None:
+    tight = estimate_memory(make_gpt, model_kwargs=SMALL, world_size=2, batch_shape=(2, 32))
+    budget = int(tight.total * 0.8)
+    est = estimate_memory(make_gpt, model_kwargs=SMALL, world_size=2, batch_shape=(2, 32), budget=budget)
+    n = est.largest_world_size_not_fitting
+    assert n is not None and n >= 2
+    assert est.at_world_size(n) > budget >= est.at_world_size(n + 1)
+    assert f"FULL_SHARD on >= {n + 1} ranks" in est.suggestion
+    ddp = estimate_memory(
+        make_gpt, model_kwargs=SMALL, strategy="ddp", world_size=2, batch_shape=(2, 32), budget=budget
+    )
+    assert ddp.largest_world_size_not_fitting == -1 and "FULL_SHARD" in ddp.suggestion
+    assert ddp.communication > 0  # DDP's gradient buckets
+    assert _advice(tight, tight, 2**30, False) == (
+        None,
+        f"fits: {tight.total / 2**30:.2f} GiB of 1.00 GiB per device.",
+    )
+
+
+def test_cli_reads_an_import_path_and_a_hugging_face_config(tmp_path, capsys) -> None:
+    main(["estimate", "tests.models:GPT", "--strategy", "single", "--batch-shape", "2,8", "--budget", "1GiB"])
+    out = capsys.readouterr().out
+    assert "optimizer state" in out and "fits" in out
+    pytest.importorskip("transformers")
+    config = {
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    main(["estimate", str(tmp_path / "config.json"), "--world-size", "4", "--precision", "bf16-mixed",
+          "--kwarg", "num_hidden_layers=2", "--batch-shape", "1,16", "--activation-checkpointing"])  # fmt: skip
+    assert "fsdp x 4" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"strategy": "zero3"}, "strategy='zero3'"),
+        ({"world_size": 0}, "world_size"),
+        ({"strategy": "single", "world_size": 2}, "strategy='ddp'"),
+        ({"optimizer": "lion"}, "optimizer='lion'"),
+        ({"batch_shape": (2, 0)}, "batch_shape"),
+        ({"precision": "fp8"}, "precision='fp8'"),
+        ({"budget": "lots"}, "budget='lots'"),
+    ],
+)
+def test_bad_input_raises_before_any_work(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        estimate_memory(make_gpt, **kwargs)
+
+
+def test_bad_model_and_an_existing_process_group_raise() -> None:
+    with pytest.raises(ValueError, match="import path"):
+        estimate_memory("no_such_model")
+    assert parse_bytes("1.5GiB") == 3 * 2**29 and parse_bytes("24GB") == 24 * 10**9
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    with pytest.raises(RuntimeError, match=r"before `acc.launch\(\)`"):
+        estimate_memory(make_gpt, model_kwargs=SMALL, world_size=2, batch_shape=(2, 8))
