@@ -5,6 +5,7 @@ Everything version-specific or private lives here, so a torch upgrade touches on
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -73,10 +74,13 @@ def split_compiled(module: nn.Module) -> tuple[nn.Module, Callable[[Callable], C
     (backend, mode, fullgraph, ...), so the options survive re-applying compile elsewhere. For any
     other module: ``(module, None)``.
     """
-    from torch._dynamo.eval_frame import OptimizedModule
-
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if (
+        eval_frame is None
+    ):  # torch.compile was never called: nothing is compiled (and dynamo costs ~1 s to import)
+        return module, None
     compiler = None
-    while isinstance(module, OptimizedModule):
+    while isinstance(module, eval_frame.OptimizedModule):
         compiler = compiler or module.dynamo_ctx
         module = module._orig_mod
     return module, compiler
