@@ -503,8 +503,8 @@ class Accelerator:
         if self.is_global_zero:
             print(*args, **kwargs)
 
-    def barrier(self) -> None:
-        """Wait until every rank gets here."""
+    def barrier(self, name: str | None = None) -> None:
+        """Wait until every rank gets here (``name`` is accepted for Fabric scripts and unused)."""
         self._strategy.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -519,9 +519,12 @@ class Accelerator:
         """Reduce tensors over all ranks (``"mean"``, ``"sum"``, ``"max"``, ``"min"``)."""
         return self._strategy.all_reduce(data, reduce_op)
 
-    def seed_everything(self, seed: int, workers: bool = True) -> int:
-        """Seed python, numpy (if installed) and torch on this rank; also seeds data shuffling."""
-        if not isinstance(seed, int) or isinstance(seed, bool):
+    def seed_everything(self, seed: int | None = None, workers: bool = True) -> int:
+        """Seed python, numpy (if installed) and torch on this rank; also seeds data shuffling.
+
+        With ``seed=None`` the seed comes from ``PL_GLOBAL_SEED`` (default 0), as in Fabric.
+        """
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise TypeError(f"seed must be an int, got {seed!r}.")
         return _seed_everything(seed, workers=workers)
 
