@@ -516,7 +516,14 @@ class Accelerator:
         return self._strategy.all_gather(data)
 
     def all_reduce(self, data: Any, reduce_op: str = "mean") -> Any:
-        """Reduce tensors over all ranks (``"mean"``, ``"sum"``, ``"max"``, ``"min"``)."""
+        """Reduce tensors over all ranks (``"mean"``, ``"sum"``, ``"max"``, ``"min"``), in place.
+
+        As in Fabric, every tensor in ``data`` receives the result and is returned (numbers come
+        back as new tensors).
+
+        Raises:
+            TypeError: ``"mean"`` of an integer tensor (the mean cannot be stored in it).
+        """
         return self._strategy.all_reduce(data, reduce_op)
 
     def seed_everything(self, seed: int | None = None, workers: bool = True) -> int:
@@ -547,7 +554,11 @@ class Accelerator:
 
     @property
     def logger(self) -> Any:
-        """The first logger (the main one)."""
+        """The first logger (the main one).
+
+        Raises:
+            RuntimeError: no logger was passed to the Accelerator.
+        """
         if not self._loggers:
             raise RuntimeError(
                 'No logger was given: `Accelerator(loggers=CSVLogger("logs"))`'
@@ -556,17 +567,45 @@ class Accelerator:
         return self._loggers[0]
 
     def log(self, name: str, value: Any, step: int | None = None) -> None:
-        """Log one scalar (a number or one-element tensor) to every logger, from global rank 0."""
+        """Log one scalar to every logger, from global rank 0 (other ranks do nothing).
+
+        Args:
+            name: the metric's name.
+            value: a number or a one-element tensor (detached and turned into a number).
+            step: the step to log at; loggers count steps themselves when it is None.
+        """
         self.log_dict({name: value}, step=step)
 
     def log_dict(self, metrics: dict[str, Any], step: int | None = None) -> None:
-        """Log several scalars to every logger, from global rank 0 (other ranks do nothing)."""
+        """Log several scalars to every logger, from global rank 0 (other ranks do nothing).
+
+        Args:
+            metrics: names to numbers or one-element tensors.
+            step: the step to log at; loggers count steps themselves when it is None.
+
+        Raises:
+            TypeError: ``metrics`` is not a mapping.
+            ValueError: a tensor with more than one element.
+        """
         log_metrics(self._loggers, self.is_global_zero, metrics, step)
 
     def call(self, hook_name: str, *args: Any, **kwargs: Any) -> None:
-        """Call ``hook_name(*args, **kwargs)`` on every callback that has that method.
+        """Call ``hook_name(*args, **kwargs)`` on every callback that has that method, in order.
 
         Keyword arguments a callback's method does not take are left out, as in Fabric.
+
+        Args:
+            hook_name: the method to call, e.g. ``"on_train_epoch_end"``.
+            *args: passed to every hook.
+            **kwargs: passed to the hooks that take them.
+
+        Example:
+            >>> from minifabric import Accelerator
+            >>> class Printer:
+            ...     def on_epoch_end(self, epoch):
+            ...         print("epoch", epoch)
+            >>> Accelerator(accelerator="cpu", callbacks=[Printer()]).call("on_epoch_end", epoch=1, loss=0.5)
+            epoch 1
         """
         call_hook(self._callbacks, hook_name, *args, **kwargs)
 
