@@ -20,7 +20,9 @@ __all__ = [
     "compile_in_place",
     "fake_tensor_mode",
     "fake_world",
+    "local_slice",
     "memory_tracker",
+    "module_registration_hooks",
     "register_global_step_pre_hook",
     "split_compiled",
     "tree_map",
@@ -140,3 +142,45 @@ def memory_tracker(module: nn.Module, optimizer: torch.optim.Optimizer, fsdp: bo
     tracker = MemTracker()
     tracker.track_external(module, optimizer)
     return tracker
+
+
+@contextmanager
+def module_registration_hooks(
+    on_parameter: Callable[[nn.Module, str, nn.Parameter], nn.Parameter],
+    on_buffer: Callable[[nn.Module, str, torch.Tensor], torch.Tensor],
+) -> Iterator[None]:
+    """Inside, ``nn.Module.register_parameter``/``register_buffer`` pass each tensor through a hook first.
+
+    Each hook gets ``(module, name, tensor)`` and returns the tensor to register.
+
+    A process-wide patch of ``nn.Module``, restored on exit (meta-device init uses it to see every
+    parameter as it is registered).
+    """
+    register_parameter = nn.Module.register_parameter
+    register_buffer = nn.Module.register_buffer
+
+    def patched_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register_parameter(module, name, None if param is None else on_parameter(module, name, param))
+
+    def patched_buffer(
+        module: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True
+    ) -> None:
+        register_buffer(module, name, None if tensor is None else on_buffer(module, name, tensor), persistent)
+
+    nn.Module.register_parameter = patched_parameter  # type: ignore[method-assign,assignment]
+    nn.Module.register_buffer = patched_buffer  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+        nn.Module.register_buffer = register_buffer  # type: ignore[method-assign]
+
+
+def local_slice(full: torch.Tensor, mesh: Any, placements: Any) -> torch.Tensor:
+    """This rank's part of ``full`` under a DTensor layout, cut on ``full``'s own device (no comms)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, placements)
+    for dim, (size, start) in enumerate(zip(shape, offset, strict=True)):
+        full = full.narrow(dim, start, size)
+    return full

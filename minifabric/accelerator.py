@@ -87,7 +87,6 @@ class Accelerator:
         parts = resolve(**settings, environment=environment)
         self._strategy = parts.strategy
         self._launched = False
-        self._setup_done = False
         # (parameter ids before setup -> names, module) for optimizers set up after their module
         self._setups: list[tuple[dict[int, str], nn.Module]] = []
         # raises at step() of an optimizer left holding parameters that setup replaced
@@ -189,10 +188,11 @@ class Accelerator:
     def init_module(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Build a model inside this context: on the device, in the precision's dtype.
 
-        With ``empty_init=True`` parameters are created on the meta device (no memory, no init
-        cost); ``setup`` materializes them (under FSDP only each rank's shard) and initializes them
-        with each module's ``reset_parameters()`` or the root's ``init_weights()``, replaying the
-        RNG state seen here, so a seeded run gets the same weights whatever the world size.
+        With ``empty_init=True`` parameters are created on the meta device (no memory) and the
+        init ``__init__`` applies to them is recorded; ``setup`` materializes them (under FSDP only
+        each rank's shard) with the values eager construction with the same seed gives, whatever
+        the strategy and world size. May be entered any number of times, before or after other
+        models' ``setup``.
 
         Example:
             >>> import torch
@@ -206,11 +206,6 @@ class Accelerator:
             >>> model.weight.is_meta
             False
         """
-        if self._setup_done:
-            raise RuntimeError(
-                "`acc.init_module()` was entered after `acc.setup(...)`. Build every model first:"
-                " `with acc.init_module(): model = Model()`, then `acc.setup(model, optimizer)`."
-            )
         self._ensure_launched()
         with self._strategy.module_init_context(empty_init):
             yield
@@ -286,7 +281,6 @@ class Accelerator:
             forward_module = self._strategy.setup_module(compiled)
         module._minifabric_setup = True  # type: ignore[assignment]
         self._setups.append((names, module))
-        self._setup_done = True
         return _WrappedModule(forward_module, module, self._strategy)
 
     def setup_optimizers(self, *optimizers: Optimizer) -> Any:

@@ -85,11 +85,11 @@ def token_batches(steps: int, batch_size: int, cfg: GPTConfig, seed: int = 1234)
 
 
 class NoInit(nn.Module):
-    """A module with a parameter but neither ``reset_parameters`` nor a root ``init_weights``."""
+    """A module with a parameter that ``__init__`` never initializes (eager leaves it uninitialized)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(4, 4))
+        self.weight = nn.Parameter(torch.empty(4, 4))
         self.linear = nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

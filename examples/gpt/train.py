@@ -145,9 +145,10 @@ class GPT(nn.Module):
         self.tok_emb, self.pos_emb = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
         self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))  # FSDP shards each block
         self.ln_f, self.head = nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab_size, bias=False)
+        self.init_weights()
 
     def init_weights(self) -> None:
-        """Called by ``acc.setup`` after the meta-device parameters get real storage."""
+        """GPT-2 style init. Under ``init_module(empty_init=True)`` ``setup`` reproduces it exactly."""
         for name, p in self.named_parameters():
             if p.dim() < 2:
                 nn.init.ones_(p) if "ln" in name else nn.init.zeros_(p)

@@ -46,7 +46,7 @@ from minifabric.strategies.fsdp_wrap import (
     shard_module,
     sharded_submodules,
 )
-from minifabric.strategies.meta_init import check_initializable, has_meta_parameters, init_rng_state
+from minifabric.strategies.meta_init import init_places, keeping_init_records
 from minifabric.strategies.rebind import optimizer_parameters
 from minifabric.strategies.strategy import Strategy
 
@@ -181,22 +181,20 @@ class FSDPStrategy(Strategy):
         if isinstance(module, FSDPModule):
             return module
         apply_activation_checkpointing(module, self.activation_checkpointing_policy)
-        return shard_module(
-            module,
-            self.mesh,
-            reshard_after_forward=self._reshard_after_forward,
-            mp_policy=inner_policy(self.mp_policy),
-            offload=self._offload,
-        )
+        with keeping_init_records(module):  # init written after `wrap` in __init__ is recorded too
+            return shard_module(
+                module,
+                self.mesh,
+                reshard_after_forward=self._reshard_after_forward,
+                mp_policy=inner_policy(self.mp_policy),
+                offload=self._offload,
+            )
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Shard ``module`` in place (blocks, then root) and materialize it if it was built on meta."""
         module, compiler = self._compiler(module)
-        on_meta = has_meta_parameters(module)
-        if on_meta:
-            check_initializable(module)  # fail before any collective
-        rng_state = init_rng_state(module)
-        if self.sync_module_states and not on_meta and not isinstance(module, FSDPModule):
+        places = init_places(module)  # raises before any collective if an init cannot be reproduced
+        if self.sync_module_states and not places and not isinstance(module, FSDPModule):
             broadcast_module_states(module, self.root_device)
         module = self.precision.convert_module(module)
         apply_activation_checkpointing(module, self.activation_checkpointing_policy)
@@ -212,8 +210,10 @@ class FSDPStrategy(Strategy):
                 mp_policy=self.mp_policy,
                 offload=self._offload,
             )
-        if on_meta:
-            materialize_sharded(module, self.root_device, rng_state)
+        if places:
+            # With CPU offload FSDP keeps the sharded parameters in CPU memory: materialize them there.
+            param_device = torch.device("cpu") if self.cpu_offload else self.root_device
+            materialize_sharded(module, places, param_device, self.root_device)
         return module
 
     def _compiler(self, module: nn.Module) -> tuple[nn.Module, Compiler | None]:

@@ -1,44 +1,105 @@
 """Meta-device construction and materialization: plain functions that every strategy uses.
 
-Inside :func:`meta_init_context` every *parameter* is created on the meta device (no memory, no
-init cost) while buffers are created for real, so values computed in ``__init__`` (causal masks,
-rotary tables) are never lost. At ``setup`` the strategy calls :func:`materialize` (or the FSDP
-variant, which keeps only each rank's shard): parameters get real storage and are initialized with
-each module's ``reset_parameters()``, or with the root's ``init_weights()`` when it defines one.
-The RNG state at the start of the context is replayed, so a seeded model gets the same weights as
-eager construction would have given it.
+Inside :func:`meta_init_context` every parameter is created on the meta device (no memory) and
+every init the model's ``__init__`` applies to it (``self.apply(_init_weights)``, ``nn.init.*``,
+``w.data.normal_()``, ``reset_parameters()``) is recorded with the random-generator state it ran
+with (:mod:`~minifabric.strategies.init_record`, :mod:`~minifabric.strategies.init_replay`). Buffers computed in ``__init__`` are created for
+real, as in eager construction. At ``setup`` each parameter's recorded init is replayed at full
+size on the CPU, so its value is bitwise the one eager construction with the same seed gives; the
+FSDP strategy then keeps only each rank's slice (:mod:`~minifabric.strategies.fsdp_init`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager as ContextManager
+from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
 
 import torch
 from torch import nn
 
-_INIT_RNG_ATTR = "_minifabric_init_rng"
+from minifabric._torch import module_registration_hooks
+from minifabric.strategies.init_record import InitRecorder
+from minifabric.strategies.init_replay import HANDLE_ATTR, Base, Handle, evaluate, handle_of, set_handle
+
+#: (module, attribute name, is a parameter, recorded init) for every meta tensor of a model.
+Place = tuple[nn.Module, str, bool, Base]
+
+_PLACES_ATTR = "_minifabric_init_places"
+_RECORDER: ContextVar[InitRecorder | None] = ContextVar("minifabric_init_recorder", default=None)
 
 
 @contextmanager
-def meta_init_context(dtype: torch.dtype | None = None) -> Iterator[None]:
-    """Create parameters on the meta device (in ``dtype`` when given); buffers stay real."""
-    rng_state = torch.get_rng_state()
-    original = nn.Module.register_parameter
+def meta_init_context() -> Iterator[None]:
+    """Create parameters on the meta device and record how ``__init__`` initializes them."""
+    recorder = InitRecorder()
 
-    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and not param.is_meta:
-            target = dtype if dtype is not None and param.is_floating_point() else param.dtype
-            param = type(param)(param.to(device="meta", dtype=target), requires_grad=param.requires_grad)
-        original(module, name, param)
-        if param is not None and not hasattr(module, _INIT_RNG_ATTR):
-            setattr(module, _INIT_RNG_ATTR, rng_state)
+    def on_parameter(module: nn.Module, name: str, param: nn.Parameter) -> nn.Parameter:
+        with recorder.paused_recording():
+            if recorder.lookup(param) is None and not param.is_meta:
+                # Created for real (torch.ones, torch.randn, ...): keep that value, hold no storage.
+                meta = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
+                recorder.track(meta, Base(param.shape, param.dtype, "value", value=param.detach()))
+                param = meta
+            _remember(module, name, handle_of(param))
+        return param
 
-    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign,assignment]
+    def on_buffer(module: nn.Module, name: str, buffer: torch.Tensor) -> torch.Tensor:
+        with recorder.paused_recording():
+            _remember(module, name, recorder.lookup(buffer))
+        return buffer
+
+    token = _RECORDER.set(recorder)
     try:
-        yield
+        with module_registration_hooks(on_parameter, on_buffer), recorder:
+            yield
     finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
+        _RECORDER.reset(token)
+
+
+def _remember(module: nn.Module, name: str, handle: Handle | None) -> None:
+    # Also kept by place, for when torch's `fully_shard` replaces the parameter before `setup`.
+    places = module.__dict__.setdefault(_PLACES_ATTR, {})
+    if handle is None:
+        places.pop(name, None)
+    else:
+        places[name] = handle
+
+
+def _handle_at(sub: nn.Module, name: str, t: torch.Tensor) -> Handle | None:
+    handle = handle_of(t)
+    if handle is None:
+        handle = sub.__dict__.get(_PLACES_ATTR, {}).get(name)
+        if handle is not None and handle.base.shape != t.shape:
+            return None
+    return handle
+
+
+def paused_recording() -> ContextManager:
+    """Inside, torch calls are not recorded (e.g. ``fully_shard`` run by ``wrap`` in ``init_module``)."""
+    recorder = _RECORDER.get()
+    return recorder.paused_recording() if recorder is not None else nullcontext()
+
+
+@contextmanager
+def keeping_init_records(module: nn.Module) -> Iterator[None]:
+    """Around a call that replaces ``module``'s parameters (``fully_shard``): the new ones keep their init.
+
+    Init applied to the new parameters afterwards (still inside ``init_module``) is recorded too.
+    """
+    saved = [
+        (sub, name, handle)
+        for sub in module.modules()
+        for name, p in sub._parameters.items()
+        if (handle := handle_of(p)) is not None
+    ]
+    with paused_recording():
+        yield
+    for sub, name, handle in saved:
+        new = sub._parameters[name]
+        if new is not None and handle_of(new) is None:
+            set_handle(new, handle)
 
 
 def has_meta_parameters(module: nn.Module) -> bool:
@@ -46,62 +107,55 @@ def has_meta_parameters(module: nn.Module) -> bool:
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
 
-def init_rng_state(module: nn.Module) -> torch.Tensor | None:
-    """The CPU RNG state recorded when ``module``'s first meta parameter was created."""
-    for sub in module.modules():
-        state = getattr(sub, _INIT_RNG_ATTR, None)
-        if state is not None:
-            return state
-    return None
+def init_places(module: nn.Module) -> list[Place]:
+    """Every meta parameter and buffer of ``module`` with its recorded init.
 
-
-def check_initializable(module: nn.Module) -> None:
-    """Raise if some submodule with meta parameters could not be initialized after materialization."""
-    if callable(getattr(module, "init_weights", None)):
-        return
-    for name, sub in module.named_modules():
-        own = [t for t in (*sub.parameters(recurse=False), *sub.buffers(recurse=False)) if t.is_meta]
-        if own and not callable(getattr(sub, "reset_parameters", None)):
-            label = name or type(module).__name__
-            raise TypeError(
-                f"Module {label!r} ({type(sub).__name__}) was built with `init_module(empty_init=True)`"
-                " but defines neither `reset_parameters()` nor does the root model define `init_weights()`,"
-                " so its parameters cannot be initialized after materialization. Add"
-                f" `def reset_parameters(self): ...` to {type(sub).__name__}, define `init_weights()` on"
-                " the root model, or build it with `init_module(empty_init=False)`."
-            )
-
-
-def initialize_weights(module: nn.Module, rng_state: torch.Tensor | None) -> None:
-    """Initialize a materialized module in registration order, replaying the init-time RNG state.
-
-    Uses the root's ``init_weights()`` when present, else every submodule's ``reset_parameters()``.
-    A parameter shared by several modules (tied weights) keeps the values of the first module that
-    initialized it, as in eager construction followed by tying; the RNG draws of the later modules
-    still happen, so the rest of the stream matches eager construction too.
-    The global RNG stream is left as it was before the call.
+    Raises:
+        ValueError: a meta tensor whose init cannot be reproduced (named, with the fix), before
+            anything is changed: call it on every rank before any collective.
     """
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        if rng_state is not None:
-            torch.set_rng_state(rng_state)
-        init_weights = getattr(module, "init_weights", None)
-        if callable(init_weights):
-            init_weights()
-        else:
-            done: set[int] = set()
-            for sub in module.modules():
-                own = list(sub.parameters(recurse=False))
-                reset_parameters = getattr(sub, "reset_parameters", None)
-                if not own or not callable(reset_parameters):
+    places: list[Place] = []
+    root = type(module).__name__
+    for prefix, sub in module.named_modules():
+        for is_param, tensors in ((True, sub._parameters), (False, sub._buffers)):
+            for name, t in tensors.items():
+                if t is None or not t.is_meta:
                     continue
-                keep = [(p, p.detach().clone()) for p in own if id(p) in done]
-                reset_parameters()
-                for p, value in keep:
-                    p.copy_(value)
-                done.update(id(p) for p in own)
+                label = f"{'parameter' if is_param else 'buffer'} {f'{prefix}.{name}' if prefix else name!r}"
+                where = f"{label} of {root} (in {type(sub).__name__})"
+                handle = _handle_at(sub, name, t)
+                if handle is None or handle.chain:
+                    raise ValueError(
+                        f"The {where} is on the meta device but was not created inside"
+                        " `acc.init_module(empty_init=True)`, so its init is unknown. Build the whole model"
+                        " inside it: `with acc.init_module(empty_init=True): model = Model()`."
+                    )
+                if handle.base.problem is not None:
+                    raise ValueError(
+                        f"The init of the {where} cannot be reproduced after `init_module(empty_init=True)`:"
+                        f" {handle.base.problem}. Initialize it with `torch.nn.init` functions or in-place ops"
+                        " on the parameter (e.g. `torch.nn.init.normal_(self.weight, std=0.02)`), or build this"
+                        " model with `acc.init_module(empty_init=False)`."
+                    )
+                if is_param and not handle.base.written:
+                    raise ValueError(
+                        f"The {where} is created with `torch.empty` and never initialized in `__init__`: eager"
+                        " construction leaves it as uninitialized memory, so there is no value to reproduce."
+                        f" Initialize it in `{type(sub).__name__}.__init__`, e.g."
+                        f" `torch.nn.init.normal_(self.{name}, std=0.02)`, or call `self.reset_parameters()`"
+                        " (or the root's `self.init_weights()`) at the end of `__init__`."
+                    )
+                places.append((sub, name, is_param, handle.base))
+    return places
+
+
+def forget_init_records(module: nn.Module) -> None:
+    """Drop the recorded init from ``module``'s tensors (after materialization)."""
+    for t in (*module.parameters(), *module.buffers()):
+        if HANDLE_ATTR in t.__dict__:
+            delattr(t, HANDLE_ATTR)
     for sub in module.modules():
-        if hasattr(sub, _INIT_RNG_ATTR):
-            delattr(sub, _INIT_RNG_ATTR)
+        sub.__dict__.pop(_PLACES_ATTR, None)
 
 
 def tied_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
@@ -114,31 +168,18 @@ def tied_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     return [group for group in places.values() if len(group) > 1]
 
 
-def empty_meta_tensors(module: nn.Module, device: torch.device) -> None:
-    """Give every meta parameter and buffer uninitialized storage on ``device``, in place.
-
-    Unlike ``module.to_empty()``, tensors that are already real keep their values (a causal mask
-    computed in ``__init__``), and a parameter shared by several modules stays one parameter.
-    """
-    replaced: dict[int, nn.Parameter] = {}
-    for sub in module.modules():
-        for name, param in sub._parameters.items():
-            if param is None or not param.is_meta:
-                continue
-            if id(param) not in replaced:
-                empty = torch.empty_like(param, device=device)
-                replaced[id(param)] = type(param)(empty, requires_grad=param.requires_grad)
-            sub._parameters[name] = replaced[id(param)]
-        for name, buffer in sub._buffers.items():
-            if buffer is not None and buffer.is_meta:
-                sub._buffers[name] = torch.empty_like(buffer, device=device)
-
-
 def materialize(module: nn.Module, device: torch.device) -> None:
-    """Give meta parameters real storage on ``device`` and initialize them; tied weights stay tied."""
-    if not has_meta_parameters(module):
-        return
-    check_initializable(module)
-    rng_state = init_rng_state(module)
-    empty_meta_tensors(module, device)
-    initialize_weights(module, rng_state)
+    """Replace every meta parameter and buffer with its eager-construction value on ``device``.
+
+    A parameter shared by several modules (tied weights) stays one parameter.
+    """
+    places = init_places(module)
+    replaced: dict[int, torch.Tensor] = {}
+    for sub, name, is_param, base in places:
+        tensors = sub._parameters if is_param else sub._buffers
+        old = tensors[name]
+        if id(old) not in replaced:
+            value = evaluate(base).to(device=device, dtype=old.dtype)  # type: ignore[union-attr]
+            replaced[id(old)] = type(old)(value, requires_grad=old.requires_grad) if is_param else value  # type: ignore[call-arg,union-attr]
+        tensors[name] = replaced[id(old)]  # type: ignore[assignment]
+    forget_init_records(module)

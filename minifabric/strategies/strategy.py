@@ -332,7 +332,7 @@ def _module_init_context(strategy: Strategy, empty_init: bool) -> Generator[None
     try:
         with strategy.precision.tensor_init_context(), device:
             if empty_init:
-                with meta_init_context(strategy.precision.param_dtype):
+                with meta_init_context():
                     yield
             else:
                 yield

@@ -121,11 +121,11 @@ def test_policy_matching_nothing_raises_at_setup() -> None:
         acc.setup(GPT())
 
 
-def test_module_without_init_method_raises_under_empty_init() -> None:
+def test_parameter_never_initialized_raises_under_empty_init() -> None:
     acc = _accelerator()
     with acc.init_module(empty_init=True):
         model = NoInit()
-    with pytest.raises(TypeError, match=r"'NoInit'.*reset_parameters"):
+    with pytest.raises(ValueError, match=r"parameter 'weight' of NoInit.*never initialized"):
         acc.setup(model)
 
 

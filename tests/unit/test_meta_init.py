@@ -1,10 +1,22 @@
-"""``init_module(empty_init=True)`` on one device: meta parameters, materialized and initialized at setup."""
+"""``init_module(empty_init=True)`` on one device: meta parameters, recorded init replayed at setup."""
+
+from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 
 from minifabric import Accelerator
+from tests.init_styles import STYLES, mismatches
+
+OUTSIDE = torch.zeros(4, device="meta")  # a meta tensor made outside init_module: its value is unknown
+
+
+@pytest.fixture
+def acc():
+    acc = Accelerator(accelerator="cpu", devices=1)
+    acc.launch()
+    return acc
 
 
 class Block(nn.Module):
@@ -19,19 +31,28 @@ class Block(nn.Module):
         return self.proj(self.norm(self.embed(idx)))
 
 
-class NoReset(nn.Module):
-    """Owns a parameter but cannot re-initialize it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(3))
-
-
-class WithNoReset(nn.Module):
+class NeverInitialized(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(3, 3)
-        self.custom = NoReset()
+        self.scale = nn.Parameter(torch.empty(3))  # eager leaves this as uninitialized memory
+
+
+@pytest.mark.parametrize("style", sorted(STYLES))
+@pytest.mark.parametrize("strategy", ["single", "fsdp"])
+def test_init_styles_equal_eager_construction(style, strategy):
+    acc = Accelerator(accelerator="cpu", devices=1, strategy=strategy)
+    acc.launch()
+    torch.manual_seed(7)
+    eager = STYLES[style]()
+    after_eager = torch.rand(4)
+    torch.manual_seed(7)
+    with acc.init_module(empty_init=True):
+        model = STYLES[style]()
+    assert all(p.is_meta for p in model.parameters())
+    assert torch.equal(torch.rand(4), after_eager), "the random stream after init differs from eager"
+    model = acc.setup(model)
+    assert mismatches(eager, model) == []
 
 
 def test_empty_init_creates_meta_parameters_and_real_buffers(acc):
@@ -40,18 +61,6 @@ def test_empty_init_creates_meta_parameters_and_real_buffers(acc):
     assert all(p.is_meta for p in model.parameters())
     assert not model.mask.is_meta
     assert torch.equal(model.mask, torch.tril(torch.ones(4, 4)))
-
-
-def test_setup_materializes_with_the_same_weights_as_eager_init(acc):
-    torch.manual_seed(3)
-    eager = Block()
-    torch.manual_seed(3)
-    with acc.init_module(empty_init=True):
-        model = Block()
-    model = acc.setup(model)
-    assert not any(p.is_meta for p in model.parameters())
-    for (name, expected), actual in zip(eager.state_dict().items(), model.state_dict().values(), strict=True):
-        assert torch.equal(expected, actual), name
 
 
 def test_optimizer_built_over_meta_parameters_trains_after_setup(acc):
@@ -66,42 +75,93 @@ def test_optimizer_built_over_meta_parameters_trains_after_setup(acc):
     assert optimizer.param_groups[0]["params"][0] is model.embed.weight
 
 
-def test_tied_weights_stay_tied(acc):
-    torch.manual_seed(0)
-    with acc.init_module(empty_init=True):
+def test_tied_weights_stay_tied_with_the_value_of_the_last_init(acc):
+    def build() -> Block:
         model = Block()
         model.proj.weight = model.embed.weight  # (10, 8) both
+        nn.init.normal_(model.proj.weight, std=0.5)
+        return model
+
+    torch.manual_seed(0)
+    eager = build()
+    torch.manual_seed(0)
+    with acc.init_module(empty_init=True):
+        model = build()
     model = acc.setup(model)
     assert model.proj.weight is model.embed.weight
-    assert not model.proj.weight.is_meta
+    assert mismatches(eager, model) == []
 
 
 def test_empty_init_uses_the_precision_dtype():
     acc = Accelerator(accelerator="cpu", precision="bf16-true")
+    torch.manual_seed(0)
+    with acc.init_module(empty_init=False):
+        eager = Block()
+    torch.manual_seed(0)
     with acc.init_module(empty_init=True):
         model = Block()
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     model = acc.setup(model)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert mismatches(eager, model) == []
 
 
-def test_a_module_that_cannot_be_initialized_raises_naming_it(acc):
+def test_a_parameter_never_initialized_raises_naming_it(acc):
     with acc.init_module(empty_init=True):
-        model = WithNoReset()
-    with pytest.raises(TypeError, match=r"Module 'custom' \(NoReset\).*def reset_parameters"):
+        model = NeverInitialized()
+    with pytest.raises(
+        ValueError, match=r"parameter 'scale' of NeverInitialized.*torch.nn.init.normal_\(self.scale"
+    ):
+        acc.setup(model)
+    assert model.scale.is_meta  # nothing changed
+
+
+def test_an_init_that_reads_an_unknown_meta_tensor_raises_naming_it(acc):
+    class ReadsOutside(Block):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm.weight.data.add_(OUTSIDE[:8].sum())
+
+    with acc.init_module(empty_init=True):
+        model = ReadsOutside()
+    with pytest.raises(ValueError, match=r"parameter 'norm.weight' of ReadsOutside \(in LayerNorm\).*`add_`"):
         acc.setup(model)
 
 
-def test_init_weights_on_the_root_is_used_instead(acc):
-    class Root(WithNoReset):
-        def init_weights(self) -> None:
-            self.linear.reset_parameters()
-            self.custom.scale.fill_(2.0)
+def test_init_weights_called_in_init_is_reproduced(acc):
+    class Root(NeverInitialized):
+        def __init__(self) -> None:
+            super().__init__()
+            self.init_weights()
 
+        def init_weights(self) -> None:
+            nn.init.trunc_normal_(self.linear.weight, std=0.1)
+            nn.init.orthogonal_(self.linear.weight)
+            self.scale.data.uniform_(-1, 1)
+
+    torch.manual_seed(1)
+    eager = Root()
+    torch.manual_seed(1)
     with acc.init_module(empty_init=True):
         model = Root()
-    model = acc.setup(model)
-    assert torch.equal(model.custom.scale, torch.full((3,), 2.0))
+    assert mismatches(eager, acc.setup(model)) == []
+
+
+def test_models_built_after_another_was_set_up(acc):
+    torch.manual_seed(0)
+    first_eager, second_eager = STYLES["nanogpt"](), STYLES["hf"]()
+    torch.manual_seed(0)
+    with acc.init_module(empty_init=True):
+        first = STYLES["nanogpt"]()
+    first = acc.setup(first)
+    with acc.init_module(empty_init=True):
+        second = STYLES["hf"]()
+    second, optimizer = acc.setup(second, torch.optim.SGD(second.parameters(), lr=0.1))
+    assert mismatches(first_eager, first) == [] and mismatches(second_eager, second) == []
+    before = second.lm_head.weight.detach().clone()
+    acc.backward(second(torch.tensor([[1, 2, 3]])).sum())
+    optimizer.step()
+    assert not torch.equal(before, second.lm_head.weight)
 
 
 def test_without_empty_init_parameters_are_real_on_the_device(acc):
@@ -115,3 +175,11 @@ def test_saving_a_model_still_on_meta_raises(acc, tmp_path):
         model = Block()
     with pytest.raises(RuntimeError, match=r"still has meta parameters.*acc\.setup\(model\)"):
         acc.save(tmp_path / "ckpt.pt", {"model": model})
+
+
+def test_the_recorder_is_gone_after_the_context(acc):
+    with acc.init_module(empty_init=True):
+        Block()
+    assert not torch.empty(2).is_meta
+    assert nn.Module.register_parameter.__module__ == "torch.nn.modules.module"
+    assert not torch.overrides._is_torch_function_mode_enabled()
