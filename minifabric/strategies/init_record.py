@@ -202,7 +202,7 @@ class InitRecorder(TorchFunctionMode):
         if name not in _DETERMINISTIC:
             self._advance_rng(op)
         base.ops.append(op)
-        if type(target) in (torch.Tensor, torch.nn.Parameter):
+        if type(target) in (torch.Tensor, torch.nn.Parameter) and "out" not in kwargs:
             func(*args, **kwargs)  # on meta: fails on bad shapes as eager would
         return None if name == "__setitem__" else target
 
@@ -254,10 +254,10 @@ class InitRecorder(TorchFunctionMode):
             if not isinstance(out, torch.Tensor) or not out.is_meta or self.lookup(out) is not None:
                 continue
             which = None if out is result else index
-            source = next((h for t, h in tracked if storage_id(t) == storage_id(out)), None)
+            source = next(((t, h) for t, h in tracked if storage_id(t) == storage_id(out)), None)
             if source is not None:  # a view: writes through it reach the base
-                step = (func, *self._view_args(args, kwargs, tracked), which)
-                set_handle(out, Handle(source.base, (*source.chain, step)))
+                step = (func, *self._view_args(args, kwargs, source[0]), which)
+                set_handle(out, Handle(source[1].base, (*source[1].chain, step)))
                 continue
             base = Base(out.shape, out.dtype, "computed")
             try:
@@ -269,16 +269,9 @@ class InitRecorder(TorchFunctionMode):
             self.track(out, base)
         return result
 
-    def _view_args(self, args: tuple, kwargs: dict, tracked: list) -> tuple[tuple, dict]:
-        sources = {id(t) for t, _ in tracked}
-        first = True
-
+    def _view_args(self, args: tuple, kwargs: dict, source: torch.Tensor) -> tuple[tuple, dict]:
         def convert(v: Any) -> Any:
-            nonlocal first
-            if isinstance(v, torch.Tensor) and id(v) in sources and first:
-                first = False
-                return TARGET
-            return self._ref(v)
+            return TARGET if v is source else self._ref(v)
 
         return tree_map(convert, args), tree_map(convert, kwargs)
 

@@ -55,6 +55,44 @@ def test_init_styles_equal_eager_construction(style, strategy):
     assert mismatches(eager, model) == []
 
 
+class UnusualInit(nn.Module):
+    """Init that reads other parameters, replaces ``.data``, uses views, generators and rare nn.init."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 6), nn.Linear(6, 4), nn.Linear(4, 4, bias=False)
+        self.b.weight.data.copy_(self.a.weight.data.t() * 0.5)  # reads a's value as of now
+        nn.init.normal_(self.a.weight)  # ... which changes afterwards
+        w = self.c.weight
+        w.data = nn.init.trunc_normal_(w.data.to(torch.float64), std=0.02).to(w.dtype)
+        nn.init.uniform_(self.a.bias, -1, 1, generator=torch.Generator().manual_seed(5))
+        nn.init.xavier_uniform_(self.b.weight[:2])
+        with torch.no_grad():
+            self.b.bias += 1
+            self.b.bias[1:3] = torch.tensor([7.0, 8.0])
+        self.eye = nn.Parameter(torch.randn(3, 3))
+        nn.init.eye_(self.eye)
+        self.orth = nn.Parameter(torch.empty(8, 3))
+        nn.init.orthogonal_(self.orth)
+        self.dirac = nn.Parameter(torch.empty(4, 2, 3))
+        nn.init.dirac_(self.dirac)
+        self.sparse = nn.Parameter(torch.empty(6, 5))
+        nn.init.sparse_(self.sparse, 0.5)
+        self.clamped = nn.Parameter(torch.empty(3, 3))
+        nn.init.kaiming_normal_(self.clamped)
+        self.clamped.data.clamp_(-0.1, 0.1)
+
+
+def test_unusual_init_equals_eager_construction(acc):
+    torch.manual_seed(0)
+    eager = UnusualInit()
+    torch.manual_seed(0)
+    with acc.init_module(empty_init=True):
+        model = UnusualInit()
+    assert all(p.is_meta for p in model.parameters())
+    assert mismatches(eager, acc.setup(model)) == []
+
+
 def test_empty_init_creates_meta_parameters_and_real_buffers(acc):
     with acc.init_module(empty_init=True):
         model = Block()
