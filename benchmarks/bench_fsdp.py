@@ -3,7 +3,7 @@
 Usage (from the repository root)::
 
     python benchmarks/bench_fsdp.py step      # minifabric vs hand-written FSDP2 vs Fabric ModelParallelStrategy, ~30M GPT
-    python benchmarks/bench_fsdp.py memory    # peak RSS per rank, FSDP vs DDP, ~100M GPT + AdamW, default and tuned malloc
+    python benchmarks/bench_fsdp.py memory    # peak RSS per rank, FSDP vs DDP, ~100M GPT + AdamW, three malloc settings
     python benchmarks/bench_fsdp.py init      # init_module(empty_init=True)+setup vs eager+setup, ~1B GPT
     python benchmarks/bench_fsdp.py init --layers 10   # a smaller model for machines with less memory
 
@@ -167,7 +167,12 @@ def _memory_worker(rank: int, strategy: str, steps: int) -> float:
 
 def bench_memory(args: argparse.Namespace) -> None:
     print(f"GPT {n_params(MEMORY_CFG) / 1e6:.1f}M params + AdamW, {WORLD_SIZE} ranks, {args.steps} steps")
-    for label, env in (("default malloc", {}), ("MALLOC_*_THRESHOLD_=131072", TUNED_MALLOC)):
+    configurations = (
+        ("minifabric default", {}),
+        ("glibc malloc defaults", {"MINIFABRIC_TUNE_MALLOC": "0"}),
+        ("MALLOC_*_THRESHOLD_=131072", TUNED_MALLOC),
+    )
+    for label, env in configurations:
         saved = dict(os.environ)
         os.environ.update(env)  # spawned ranks start with it, so glibc reads it at startup
         try:

@@ -1,10 +1,12 @@
-"""The one place that knows about torch versions and torch's private modules.
+"""The one place that knows about torch versions and torch's private modules, and process-wide switches.
 
 Everything version-specific or private lives here, so a torch upgrade touches one file.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,12 +20,14 @@ __all__ = [
     "check_torch_version",
     "checkpoint_activations",
     "compile_in_place",
+    "default_store",
     "fake_tensor_mode",
     "fake_world",
     "local_slice",
     "memory_tracker",
     "module_registration_hooks",
     "register_global_step_pre_hook",
+    "return_freed_memory",
     "split_compiled",
     "tree_map",
 ]
@@ -184,3 +188,41 @@ def local_slice(full: torch.Tensor, mesh: Any, placements: Any) -> torch.Tensor:
     for dim, (size, start) in enumerate(zip(shape, offset, strict=True)):
         full = full.narrow(dim, start, size)
     return full
+
+
+def default_store() -> Any:
+    """The key-value store of the default process group (shared by every rank of the run)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+#: glibc ``mallopt`` parameters and the threshold (bytes) minifabric sets on CPU runs
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MALLOC_THRESHOLD = 128 * 1024
+#: set to 0 to keep glibc's default malloc settings
+TUNE_MALLOC_VAR = "MINIFABRIC_TUNE_MALLOC"
+
+
+def return_freed_memory() -> bool:
+    """Make glibc's malloc give freed blocks of 128 KiB and more back to the OS (CPU runs).
+
+    FSDP frees its all-gathered parameters and gradient buffers every step; with glibc's default
+    (adaptive) thresholds those blocks stay in the process, and a sharded rank's peak RSS ends
+    above a replicated (DDP) one's. Large blocks are then mapped and unmapped instead, at some cost
+    in step time. This lasts for the life of the process (glibc cannot restore its adaptive
+    thresholds), so it is applied only to CPU training processes, never where the user chose:
+    not when ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_`` are set, nor with
+    ``MINIFABRIC_TUNE_MALLOC=0``. Returns whether it was applied.
+    """
+    if os.environ.get(TUNE_MALLOC_VAR, "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    if any(var in os.environ for var in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MALLOC_THRESHOLD)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, _MALLOC_THRESHOLD)
+    )

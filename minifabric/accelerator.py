@@ -26,6 +26,7 @@ from minifabric.fabric_compat import present_precision_to_lightning, set_rank_ze
 from minifabric.precision import Precision, PrecisionInput
 from minifabric.resolve import AcceleratorStr, StrategyStr, apply_cli_settings, resolve
 from minifabric.seed import seed_everything as _seed_everything
+from minifabric.signals import PeerFailed
 from minifabric.strategies.rebind import OrphanWatch, optimizer_parameters, parameter_names, rebind_optimizer
 from minifabric.strategies.strategy import Strategy
 from minifabric.wrappers import _WrappedDataLoader, _WrappedModule, _WrappedOptimizer
@@ -134,6 +135,23 @@ class Accelerator:
     def precision(self) -> Precision:
         """The precision plugin in use."""
         return self._strategy.precision
+
+    @property
+    def should_stop(self) -> bool:
+        """True on every rank, from the same ``optimizer.step()`` on, once any rank got SIGTERM or SIGUSR1.
+
+        Schedulers send these before preempting a job (SLURM ``--signal``, Kubernetes). Once the loop
+        reads this property, the signals no longer end the process: they set a flag that the ranks
+        agree on at every optimizer step (one tiny all-reduce), so the loop can save and exit at the
+        same step everywhere. Reading it costs nothing.
+
+        Example:
+            >>> from minifabric import Accelerator
+            >>> acc = Accelerator(accelerator="cpu")
+            >>> acc.should_stop
+            False
+        """
+        return self._strategy.should_stop
 
     # ---- launching ---------------------------------------------------------------------------
 
@@ -533,11 +551,16 @@ class Accelerator:
     def rank_zero_first(self, local: bool = False) -> Generator[None, None, None]:
         """Rank 0 (of the node if ``local``) runs the body first, then the others."""
         rank = self.local_rank if local else self.global_rank
-        if rank > 0:
-            self.barrier()
-        yield
+        if rank > 0 and self._strategy.any_rank(False):
+            raise PeerFailed("rank 0 failed inside `acc.rank_zero_first()`; its traceback is above.")
+        try:
+            yield
+        except BaseException:
+            if rank == 0:
+                self._strategy.any_rank(True)  # release the waiting ranks with the news
+            raise
         if rank == 0:
-            self.barrier()
+            self._strategy.any_rank(False)
 
     # ---- loggers, callbacks ------------------------------------------------------------------
 

@@ -236,6 +236,10 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
         f"--node-rank={args.node_rank}",
         f"--master-addr={args.main_address}",
         f"--master-port={args.main_port}",
+        # every rank runs the script through minifabric's runner: a non-zero sys.exit is a failure
+        # known at once (see minifabric/_run.py)
+        "--module",
+        "minifabric._run",
         args.script,
         *args.script_args,
     ]
@@ -254,7 +258,9 @@ def _run(args: argparse.Namespace) -> None:
     for name, value in settings.items():
         if value is not None:
             os.environ[ENV_SETTINGS[name]] = value
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from minifabric.environment import available_cores
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, available_cores() // int(settings["devices"]))))
     torchrun_main(torchrun_args(args))
 
 

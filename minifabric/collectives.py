@@ -21,6 +21,15 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def any_rank(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``flag`` is True on any rank (one all-reduce of a single CPU integer; use a gloo group)."""
+    if _world_size() == 1:
+        return flag
+    tensor = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return bool(tensor.item())
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Return rank ``src``'s picklable object on every rank."""
     if _world_size() == 1:

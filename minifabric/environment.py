@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -122,6 +123,29 @@ def detect_cluster_environment() -> ClusterEnvironment | LocalEnvironment:
             if env_cls.detect():
                 return env_cls()
     return LocalEnvironment()
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def share_cpu_cores(local_processes: int, warn: bool) -> None:
+    """Give each of the ``local_processes`` ranks on this machine its share of the cores.
+
+    Unless ``OMP_NUM_THREADS`` says otherwise, every rank gets ``cores // local_processes`` intra-op
+    threads (at least one) instead of one per core each, which makes the ranks fight over the
+    cores. With more processes than cores, ``warn`` (rank 0) says so once.
+    """
+    cores = available_cores()
+    if warn and local_processes > cores:
+        warnings.warn(
+            f"{local_processes} processes on this machine but only {cores} CPU cores: the ranks will"
+            f" slow each other down. Use at most {cores}, e.g. Accelerator(devices={cores}).",
+            stacklevel=2,
+        )
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, cores // local_processes))
 
 
 def local_world_size(env: Any, num_nodes: int) -> int:

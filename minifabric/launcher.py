@@ -1,37 +1,42 @@
 """Launchers start (or join) the processes of a run and make a failure on one rank end them all.
 
 - :class:`JoinLauncher`: the processes already exist (one process, torchrun, SLURM, LSF, MPI, or a
-  child started by :class:`LocalLauncher`): join the process group and run.
-- :class:`LocalLauncher`: this node has more than one device and nothing started the other
-  processes. ``launch()`` re-runs the current script once per extra local rank, as torchrun would;
-  ``launch(fn, *args)`` spawns fresh processes that each call ``fn(accelerator, *args)``.
+  rank started by :class:`LocalLauncher`): join the process group and run.
+- :class:`LocalLauncher`: this node has more than one device and nothing started the processes.
+  ``launch()`` re-runs the current script once per local rank, as torchrun would, and this process
+  becomes their supervisor; ``launch(fn, *args)`` spawns fresh processes that each call
+  ``fn(accelerator, *args)`` and returns rank 0's result.
 
-Fail fast: every rank prints ``[minifabric] rank R failed`` with its traceback on an uncaught
-exception. Under :class:`LocalLauncher` rank 0 watches its children and kills every rank as soon
-as one exits with an error, and each child exits when rank 0 disappears, so nothing waits for a
-collective timeout. Under torchrun its agent does the same; under SLURM use ``srun --kill-on-bad-exit=1``.
+The supervisor ends every rank as soon as one exits with an error (and exits with that rank's
+code), forwards Ctrl-C, SIGTERM and SIGUSR1 to the ranks, and ends them if Ctrl-C did not within a
+few seconds. Each rank dies with its supervisor (``PR_SET_PDEATHSIG`` on Linux), so nothing is
+left behind and nothing waits for a collective timeout. Under torchrun its agent does the same;
+under SLURM use ``srun --kill-on-bad-exit=1``.
 """
 
 from __future__ import annotations
 
-import atexit
+import ctypes
 import os
+import pickle
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from types import TracebackType
+from pathlib import Path
+from types import FrameType
 from typing import Any
 
-import torch.multiprocessing as mp
-
+from minifabric import signals
 from minifabric.environment import find_free_port
 
 _PARENT_PID_VAR = "MINIFABRIC_PARENT_PID"
-_POLL_SECONDS = 0.1
+_POLL_SECONDS = 0.05
+_PR_SET_PDEATHSIG = 1
 
 
 class Launcher(ABC):
@@ -54,10 +59,10 @@ class JoinLauncher(Launcher):
 
 
 class LocalLauncher(Launcher):
-    """Starts ``num_processes`` local processes on a single node.
+    """Starts ``num_processes`` local processes on a single node and supervises them.
 
     Args:
-        num_processes: processes to run on this machine, this one included.
+        num_processes: processes to run on this machine.
         main_address: the address rank 0 listens on.
     """
 
@@ -69,16 +74,22 @@ class LocalLauncher(Launcher):
 
     def launch(self, join: Callable[[], None], function: Callable | None, *args: Any) -> Any:
         if function is None:
-            _start_script_children(self.num_processes, self.main_address)
-            join()
-            return None
+            command = _script_command()
+            ranks = {
+                rank: _ScriptRank(command, _world_env(self.num_processes, self.main_address, rank))
+                for rank in range(self.num_processes)
+            }
+            code = _Supervisor(ranks).run()
+            # this process only supervised: skip the interpreter's teardown (seconds with torch loaded)
+            signals.write_stderr("")
+            os._exit(code)
         return _spawn(self.num_processes, self.main_address, join, function, args)
 
 
 def _world_env(num_processes: int, main_address: str, local_rank: int) -> dict[str, str]:
     return {
         "MASTER_ADDR": main_address,
-        "MASTER_PORT": os.environ.get("MASTER_PORT") or str(find_free_port()),
+        "MASTER_PORT": os.environ.get("MASTER_PORT") or _shared_port(),
         "WORLD_SIZE": str(num_processes),
         "LOCAL_WORLD_SIZE": str(num_processes),
         "NODE_RANK": "0",
@@ -87,135 +98,221 @@ def _world_env(num_processes: int, main_address: str, local_rank: int) -> dict[s
     }
 
 
+def _shared_port() -> str:
+    os.environ["MASTER_PORT"] = str(find_free_port())  # every rank of this launch gets the same one
+    return os.environ["MASTER_PORT"]
+
+
 def _script_command() -> list[str]:
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
+    runner = [sys.executable, "-m", "minifabric._run"]
     if spec is not None and spec.name not in ("__main__", None):
         module = spec.name[: -len(".__main__")] if spec.name.endswith(".__main__") else spec.name
-        return [sys.executable, "-m", module, *sys.argv[1:]]
+        return [*runner, "-m", module, *sys.argv[1:]]
     script = sys.argv[0] if sys.argv else ""
     if not script or script == "-c" or not os.path.isfile(script):
         raise RuntimeError(
-            "`acc.launch()` re-runs the current script for the other ranks, but this process was not"
+            "`acc.launch()` re-runs the current script for every rank, but this process was not"
             " started from a script file (interactive session or `python -c`). Pass a function instead:"
             " `acc.launch(train_fn)`, where `def train_fn(acc): ...`."
         )
-    return [sys.executable, os.path.abspath(script), *sys.argv[1:]]
+    return [*runner, os.path.abspath(script), *sys.argv[1:]]
 
 
-def _start_script_children(num_processes: int, main_address: str) -> None:
-    command = _script_command()
-    base = _world_env(num_processes, main_address, 0)
-    os.environ.update(base)  # rank 0 is this process
-    children: dict[int, subprocess.Popen] = {}
-    for local_rank in range(1, num_processes):
-        env = {**os.environ, **base, "LOCAL_RANK": str(local_rank)}
-        children[local_rank] = subprocess.Popen(command, env=env)
-    _ChildSupervisor(children).start()
+# ---- the supervisor ----------------------------------------------------------------------------
 
 
-class _ChildSupervisor:
-    """Runs in rank 0: ends every rank as soon as one fails; waits for all at a normal exit."""
+class _ScriptRank:
+    """One rank started as ``python -m minifabric._run script.py ...``."""
 
-    def __init__(self, children: dict[int, subprocess.Popen]) -> None:
-        self.children = children
-        self.failed = False
+    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+        self.process = subprocess.Popen(command, env={**os.environ, **env})
 
-    def start(self) -> None:
-        threading.Thread(target=self._watch, name="minifabric-supervisor", daemon=True).start()
-        atexit.register(self._at_exit)
-        previous = sys.excepthook
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
-        def hook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-            self.failed = True
-            previous(tp, value, tb)
+    def exit_code(self) -> int | None:
+        return self.process.poll()
 
-        sys.excepthook = hook
+
+class _SpawnedRank:
+    """One rank started with multiprocessing's ``spawn``."""
+
+    def __init__(self, process: Any) -> None:
+        self.process = process
+        process.start()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def exit_code(self) -> int | None:
+        return self.process.exitcode
+
+
+def _shell_code(code: int) -> int:
+    """An exit code as a shell reports it (killed by signal N: 128 + N)."""
+    return 128 - code if code < 0 else code
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class _Supervisor:
+    """Runs in the launching process: waits for the ranks and ends them all when one fails."""
+
+    def __init__(self, ranks: dict[int, Any]) -> None:
+        self.ranks = ranks
+        self.interrupted_at: float | None = None
+        self.stop_signals = 0
+
+    def _signal_all(self, signum: int) -> None:
+        for rank in self.ranks.values():
+            if rank.exit_code() is None:
+                try:
+                    os.kill(rank.pid, signum)
+                except ProcessLookupError:
+                    pass
 
     def _kill_all(self) -> None:
-        for child in self.children.values():
-            if child.poll() is None:
-                child.kill()
+        self._signal_all(signal.SIGKILL)
+        for rank in self.ranks.values():
+            while rank.exit_code() is None:
+                time.sleep(_POLL_SECONDS)
 
-    def _watch(self) -> None:
+    def _on_interrupt(self, signum: int, frame: FrameType | None) -> None:
+        if self.interrupted_at is None:
+            self.interrupted_at = time.monotonic()
+            self._signal_all(signal.SIGINT)
+
+    def _on_stop(self, signum: int, frame: FrameType | None) -> None:
+        self.stop_signals += 1
+        # the first is forwarded (the ranks stop at a step boundary if the loop reads should_stop);
+        # a second one ends them
+        self._signal_all(signum if self.stop_signals == 1 else signal.SIGKILL)
+
+    def run(self) -> int:
+        """Wait for every rank; return the exit code of the run (as a shell reports it)."""
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, *signals.STOP_SIGNALS)}
+        in_main = threading.current_thread() is threading.main_thread()
+        if in_main:
+            signal.signal(signal.SIGINT, self._on_interrupt)
+            for signum in signals.STOP_SIGNALS:
+                signal.signal(signum, self._on_stop)
+        try:
+            return self._wait()
+        except BaseException:
+            self._kill_all()
+            raise
+        finally:
+            if in_main:
+                for signum, handler in previous.items():
+                    signal.signal(signum, handler)
+
+    def _wait(self) -> int:
         while True:
-            for rank, child in self.children.items():
-                code = child.poll()
-                if code is not None and code != 0:
-                    sys.stderr.write(
-                        f"[minifabric] rank {rank} exited with code {code}: stopping every rank.\n"
-                    )
-                    sys.stderr.flush()
+            codes = {rank: proc.exit_code() for rank, proc in self.ranks.items()}
+            if self.interrupted_at is not None:
+                late = time.monotonic() - self.interrupted_at > signals.INTERRUPT_GRACE_SECONDS + 0.5
+                if late or all(code is not None for code in codes.values()):
                     self._kill_all()
-                    os._exit(1)
+                    return signals.INTERRUPTED_EXIT_CODE
+            else:
+                failed = [(rank, code) for rank, code in codes.items() if code not in (None, 0)]
+                if failed:
+                    rank, code = failed[0]
+                    signals.write_stderr(
+                        f"[minifabric] rank {rank} {_describe_exit(code)}: stopping every rank.\n"
+                    )
+                    self._kill_all()
+                    return _shell_code(code)
+                if all(code == 0 for code in codes.values()):
+                    return 0
             time.sleep(_POLL_SECONDS)
 
-    def _at_exit(self) -> None:
-        if self.failed:
-            self._kill_all()
-            return
-        for child in self.children.values():
-            child.wait()
+
+# ---- in each rank ------------------------------------------------------------------------------
 
 
-def watch_parent() -> None:
-    """In a child started by :class:`LocalLauncher`: exit as soon as rank 0's process is gone."""
+def die_with_parent() -> None:
+    """In a rank started by :class:`LocalLauncher`: end as soon as the launching process is gone.
+
+    On Linux the kernel sends SIGKILL when the parent exits (``PR_SET_PDEATHSIG``); elsewhere a
+    thread polls for it.
+    """
     parent = os.environ.get(_PARENT_PID_VAR)
     if parent is None or int(parent) == os.getpid():
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        kernel_watch = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        kernel_watch = False
+    if os.getppid() != int(parent):  # the parent died before the watch was set
+        os._exit(1)
+    if kernel_watch:
         return
 
     def watch() -> None:
         while os.getppid() == int(parent):
-            time.sleep(_POLL_SECONDS)
+            time.sleep(0.1)
         os._exit(1)
 
     threading.Thread(target=watch, name="minifabric-parent-watch", daemon=True).start()
 
 
-def install_rank_excepthook(rank: int) -> None:
-    """Print ``[minifabric] rank R failed`` before the traceback of an uncaught exception."""
-    previous = sys.excepthook
-    if getattr(previous, "_minifabric_rank", None) is not None:
-        return
-
-    def hook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-        sys.stderr.write(f"[minifabric] rank {rank} failed with {tp.__name__}: {value}\n")
-        previous(tp, value, tb)
-        sys.stderr.flush()
-
-    hook._minifabric_rank = rank  # type: ignore[attr-defined]
-    sys.excepthook = hook
+# ---- launch(fn) --------------------------------------------------------------------------------
 
 
 def _spawn_entry(
-    local_rank: int,
-    env: dict[str, str],
-    join: Callable[[], None],
-    function: Callable,
-    args: tuple,
-    results: Any,
+    env: dict[str, str], join: Callable[[], None], function: Callable, args: tuple, result_path: str
 ) -> None:
-    os.environ.update({**env, "LOCAL_RANK": str(local_rank)})
+    os.environ.update(env)
+    signals.install(rank=int(env["LOCAL_RANK"]))
+    die_with_parent()
     try:
         join()
         result = function(*args)
-    except BaseException as error:
-        sys.stderr.write(f"[minifabric] rank {local_rank} failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        # torch.multiprocessing reports the exception itself, so the interpreter never records it as
-        # uncaught; record it as it would, so exit handlers know not to wait for the other ranks.
-        sys.last_value = error
-        raise
-    if local_rank == 0:
-        results.put(result)
+    except SystemExit as end:
+        if end.code in (None, 0):
+            raise
+        signals.leave(end.code if isinstance(end.code, int) else 1)
+    except BaseException:
+        # report it as an uncaught exception in a script is (multiprocessing would print its own
+        # traceback instead); the hook ends the process
+        sys.excepthook(*sys.exc_info())  # type: ignore[arg-type]
+        signals.leave(1)
+    if env["LOCAL_RANK"] == "0":
+        # a file, not a pipe: the result may be large and is read only after every rank has ended
+        with open(result_path, "wb") as f:
+            pickle.dump(result, f)
 
 
 def _spawn(num_processes: int, main_address: str, join: Callable, function: Callable, args: tuple) -> Any:
-    env = _world_env(num_processes, main_address, 0)
-    env.pop(_PARENT_PID_VAR)  # spawned processes are supervised by torch.multiprocessing
-    results = mp.get_context("spawn").SimpleQueue()
-    # join() raises in the parent as soon as one process fails, after terminating the others.
-    mp.start_processes(
-        _spawn_entry, args=(env, join, function, args, results), nprocs=num_processes, start_method="spawn"
-    )
-    return results.get() if not results.empty() else None
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="minifabric-launch-") as tmp:
+        result_path = os.path.join(tmp, "result.pkl")
+        ranks = {
+            rank: _SpawnedRank(
+                context.Process(
+                    target=_spawn_entry,
+                    args=(_world_env(num_processes, main_address, rank), join, function, args, result_path),
+                    name=f"minifabric-rank-{rank}",
+                )
+            )
+            for rank in range(num_processes)
+        }
+        code = _Supervisor(ranks).run()
+        if code != 0:
+            raise SystemExit(code)
+        return pickle.loads(Path(result_path).read_bytes()) if os.path.exists(result_path) else None

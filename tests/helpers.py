@@ -143,3 +143,75 @@ def run_command(
 
 
 PYTHON = sys.executable
+
+
+def live_processes(session: int) -> list[int]:
+    """Processes of a session (``start_new_session=True``: its id is the leader's pid), zombies excluded."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session and fields[0] != "Z":  # fields: state, ppid, pgrp, session
+            alive.append(int(stat.parent.name))
+    return alive
+
+
+class Session:
+    """A command in a new session whose output lines are collected, with arrival times, as they come."""
+
+    def __init__(self, cmd: list[str], env: dict | None = None) -> None:
+        import threading
+
+        self.lines: list[tuple[float, str]] = []
+        self.proc = subprocess.Popen(
+            cmd,
+            env=command_env(env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append((time.time(), line.rstrip("\n")))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        """Wait until a line containing ``text`` arrived; kill the session and fail after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while not any(text in line for _, line in self.lines):
+            if time.monotonic() > deadline or (self.proc.poll() is not None and not self._reader.is_alive()):
+                self.kill()
+                raise AssertionError(f"no line with {text!r} within {timeout}s:\n{self.output}")
+            time.sleep(0.05)
+
+    def finish(self, timeout: float) -> tuple[int, float]:
+        """Wait for the command and every process of its session; return its code and when all were gone."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        deadline = time.monotonic() + timeout
+        while live_processes(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        gone = time.time()
+        self._reader.join(timeout=5)
+        if live_processes(self.proc.pid):
+            self.kill()
+            raise AssertionError(f"processes left behind:\n{self.output}")
+        return code, gone
+
+    def kill(self) -> None:
+        subprocess.run(["kill", "-9", f"-{self.proc.pid}"], check=False, capture_output=True)
+        for pid in live_processes(self.proc.pid):
+            subprocess.run(["kill", "-9", str(pid)], check=False, capture_output=True)

@@ -14,9 +14,10 @@ Run it (2 CPU processes, about a minute; the script starts the second process it
     python examples/gpt/train.py --compile                # torch.compile (~20-60 s cold start on CPU)
     minifabric run --devices 2 examples/gpt/train.py      # or: torchrun --nproc-per-node 2 ...
 
-Interrupt it (Ctrl-C, or ``--stop-at STEP``) and ``--resume``: it continues from the last
-checkpoint (saved in the background every ``--ckpt-interval`` steps), bit for bit as the run that
-was never interrupted (model, optimizer, LR schedule, data position and RNG are all restored).
+Interrupt it (Ctrl-C; SIGTERM or SIGUSR1, which schedulers send before preempting a job and which
+stop it after the current step with a checkpoint; or ``--stop-at STEP``) and ``--resume``: it
+continues from the last checkpoint (saved in the background every ``--ckpt-interval`` steps), bit
+for bit as the run that was never interrupted (model, optimizer, LR schedule, data position and RNG are all restored).
 Every ``--eval-interval`` steps it prints the validation loss on the first ``--eval-chunks``
 validation chunks; at the end, the loss on the whole validation split next to the unigram baseline.
 It writes ``loss.png`` (``pip install matplotlib``: train, validation, the final validation loss
@@ -291,13 +292,15 @@ while step < args.max_steps:
                 flush=True,
             )
 
-    if step % args.ckpt_interval == 0 or step == args.stop_at:
+    # acc.should_stop: SIGTERM/SIGUSR1 reached some rank (preemption); every rank sees it at this step
+    stop = step == args.stop_at or acc.should_stop
+    if step % args.ckpt_interval == 0 or stop:
         if pending is not None:
             pending.wait()  # one save in flight at a time
         # the checkpoint at ckpt_path stays whole until this one is committed
         pending = acc.save(ckpt_path, {**state, "step": step, "history": history}, asynchronous=True)
-    if step == args.stop_at:
-        acc.print(f"stopping at step {step} (--stop-at); continue with --resume")
+    if stop:
+        acc.print(f"stopping at step {step}; continue with --resume")
         break
 
 if pending is not None:

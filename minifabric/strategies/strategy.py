@@ -8,7 +8,6 @@ what differs; the :class:`~minifabric.Accelerator` facade never branches on the 
 from __future__ import annotations
 
 import atexit
-import sys
 from collections.abc import Generator
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
@@ -23,16 +22,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from minifabric import collectives
-from minifabric.environment import (
-    DEFAULT_TIMEOUT,
-    LocalEnvironment,
-    default_backend,
-    destroy_process_group,
-    exit_barrier_group,
-    init_process_group,
-)
-from minifabric.launcher import JoinLauncher, Launcher, LocalLauncher, install_rank_excepthook, watch_parent
+from minifabric import collectives, signals
+from minifabric._torch import return_freed_memory
+from minifabric.environment import DEFAULT_TIMEOUT, LocalEnvironment, default_backend, share_cpu_cores
+from minifabric.launcher import JoinLauncher, Launcher, LocalLauncher
+from minifabric.lifecycle import Lifecycle, collective_timeout
 from minifabric.precision import Precision
 from minifabric.strategies.compile import (
     CompileOption,
@@ -54,7 +48,9 @@ class Strategy:
     """Base strategy: one process, one device, no wrapping.
 
     Args:
-        timeout: how long a collective may wait before it fails (``timedelta`` or seconds).
+        timeout: how long a collective may wait before it fails (``timedelta`` or seconds); then every
+            rank prints its stack and the run ends. Default: ``MINIFABRIC_TIMEOUT`` seconds if set,
+            else 30 minutes.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: nccl on CUDA, gloo on CPU.
         compile: ``torch.compile`` what the strategy runs: ``True`` (torch.compile's defaults) or a
             dict of ``torch.compile`` keyword arguments (``{"mode": "max-autotune"}``). A model
@@ -72,6 +68,8 @@ class Strategy:
         check_compile_option(compile)
         self.compile = compile
         self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+        self._timeout_given = timeout is not DEFAULT_TIMEOUT
+        self.lifecycle = Lifecycle()
         self.process_group_backend = process_group_backend
         self.precision: Precision = Precision()
         self.environment: ClusterEnvironment | LocalEnvironment = LocalEnvironment()
@@ -136,31 +134,38 @@ class Strategy:
             self.environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)
+        if self.root_device.type == "cpu" and self.world_size > 1:
+            share_cpu_cores(self.num_processes, warn=self.is_global_zero)
+            return_freed_memory()
+        self.lifecycle.prepare(self.global_rank, self.world_size)
         if self.world_size > 1:
-            install_rank_excepthook(self.global_rank)
-            watch_parent()
             self._init_process_group()
 
     def _init_process_group(self) -> None:
         if dist.is_initialized():
             return
         backend = self.process_group_backend or default_backend(self.root_device)
-        init_process_group(self.environment, backend, self.timeout)
-        self._exit_group = exit_barrier_group()
+        self.timeout = collective_timeout(self.timeout, self._timeout_given)
+        self.lifecycle.join(self.environment, backend, self.timeout)
         atexit.register(self._teardown_at_exit)
 
     def teardown(self) -> None:
         """Wait for a checkpoint still being written, then leave the process group."""
         if "checkpointer" in self.__dict__:
             self.checkpointer.wait()
-        destroy_process_group(getattr(self, "_exit_group", None))
+        self.lifecycle.leave()
 
     def _teardown_at_exit(self) -> None:
-        # After an uncaught exception the other ranks may never reach a barrier: leave at once
-        # (the launcher ends them). Otherwise leave together, which also avoids an abort at exit
-        # seen with gloo after DTensor collectives.
-        if getattr(sys, "last_value", None) is None:
+        # After an error, an interrupt or a non-zero exit the other ranks may never reach a
+        # barrier: leave at once (the launcher ends them). Otherwise leave together, which also
+        # avoids an abort at exit seen with gloo after DTensor collectives.
+        if not signals.ending_badly():
             self.teardown()
+
+    @property
+    def should_stop(self) -> bool:
+        """Whether any rank was asked to stop (SIGTERM/SIGUSR1), agreed at the last optimizer step."""
+        return self.lifecycle.should_stop
 
     # ---- modules and optimizers --------------------------------------------------------------
 
@@ -200,8 +205,10 @@ class Strategy:
         self.precision.pre_backward(tensor).backward(*args, **kwargs)
 
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        """Step through the precision plugin (gradient scaler)."""
-        return self.precision.optimizer_step(optimizer, **kwargs)
+        """Step through the precision plugin (gradient scaler); then agree on ``should_stop``."""
+        result = self.precision.optimizer_step(optimizer, **kwargs)
+        self.lifecycle.step_done()
+        return result
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
         """Skip gradient synchronization inside the context (no-op with one process)."""
@@ -227,6 +234,10 @@ class Strategy:
         """Wait for every rank."""
         if dist.is_initialized():
             dist.barrier()
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is True on any rank (collective; a CPU all-reduce whatever the device)."""
+        return self.lifecycle.any_rank(flag)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Return ``src``'s object on every rank."""
@@ -304,11 +315,15 @@ class Strategy:
 
     def save_checkpoint(self, path: Path, state: dict[str, Any], *, asynchronous: bool = False) -> Any:
         """Write ``state`` to ``path`` in the ``state_dict_type`` format; a handle if ``asynchronous``."""
-        return self.checkpointer.save(Path(path), state, asynchronous=asynchronous)
+        handle = self.checkpointer.save(Path(path), state, asynchronous=asynchronous)
+        self.lifecycle.saving(Path(path), handle)
+        return handle
 
     def load_checkpoint(self, path: Path, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
         """Restore ``state`` in place from ``path`` (either format); return the entries it did not ask for."""
-        return self.checkpointer.load(Path(path), state, strict=strict)
+        remainder = self.checkpointer.load(Path(path), state, strict=strict)
+        self.lifecycle.loaded(Path(path))
+        return remainder
 
     def load_raw(self, path: Path, obj: nn.Module | Optimizer, strict: bool = True) -> None:
         """Load a plain state-dict file (e.g. a consolidated checkpoint) into ``obj``."""

@@ -8,12 +8,10 @@ busy 2-core machine is slow and says nothing about failing fast.
 
 import re
 import subprocess
-import time
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, command_env, free_port
+from tests.helpers import PYTHON, REPO, Session, command_env, free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -31,39 +29,11 @@ def _commands(port: int) -> dict[str, list[str]]:
     }  # fmt: skip
 
 
-def _live_processes(session: int) -> list[int]:
-    """Processes of a session that have not exited (zombies excluded)."""
-    alive = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == session and fields[0] != "Z":  # fields: state, ppid, pgrp, session
-            alive.append(int(stat.parent.name))
-    return alive
-
-
 def _run(cmd: list[str], timeout: float = 120, env: dict | None = None) -> tuple[int, str, float]:
     """Run ``cmd`` in a new session; return exit code, output, and when its last process was gone."""
-    proc = subprocess.Popen(
-        cmd,
-        env=command_env(env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        subprocess.run(["kill", "-9", f"-{proc.pid}"], check=False)
-        proc.communicate()
-        raise
-    deadline = time.monotonic() + FAIL_FAST_SECONDS
-    while _live_processes(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return proc.returncode, output, time.time()
+    run = Session(cmd, env)
+    code, gone = run.finish(timeout)
+    return code, run.output, gone
 
 
 def _results(output: str) -> dict[int, tuple[int, str]]:

@@ -27,6 +27,8 @@ def test_run_builds_the_torchrun_command_line(torchrun):
         "--node-rank=0",
         "--master-addr=127.0.0.1",
         "--master-port=29611",
+        "--module",
+        "minifabric._run",
         "train.py",
         "--lr",
         "0.1",

@@ -1,0 +1,225 @@
+"""How a rank reacts to signals and to its own end: Ctrl-C, preemption, uncaught exceptions.
+
+Signals belong to the whole process, so this module keeps one small record per process (which
+rank it is, whether it was interrupted or asked to stop) and installs its handlers once, only
+where the user has not installed their own.
+
+- **Ctrl-C** (SIGINT): the rank unwinds with ``KeyboardInterrupt`` and exits with code 130 after at
+  most :data:`INTERRUPT_GRACE_SECONDS`; global rank 0 prints one line (``interrupted at step N;
+  last committed checkpoint: PATH``), the other ranks print nothing. A second Ctrl-C is ignored.
+- **Preemption** (SIGTERM, SIGUSR1): once the training loop reads ``acc.should_stop``, the signal
+  only sets a flag that the ranks agree on at the next ``optimizer.step()``, so the loop saves and
+  exits on every rank at the same step. Before that (a script that never asks), the signal ends the
+  process as it would without minifabric. A second signal always ends it.
+- **Uncaught exceptions**: ``[minifabric] rank R failed with ...`` and the traceback, once; a rank
+  that only lost the connection to a rank that failed first prints one line instead.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from types import FrameType, TracebackType
+
+#: seconds a rank may take to unwind after Ctrl-C before it is ended
+INTERRUPT_GRACE_SECONDS = 3.0
+#: exit code after Ctrl-C (128 + SIGINT), as a shell reports it
+INTERRUPTED_EXIT_CODE = 130
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+# gloo and nccl phrases for "the other side of this collective went away"
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+)
+_HIDDEN_FRAMES = ("runpy.py", "<frozen runpy>", os.path.join("minifabric", "_run.py"))
+
+
+class PeerFailed(RuntimeError):
+    """Raised on the ranks that learn that another rank failed; reported in one line, no traceback."""
+
+
+class _Process:
+    """What this process knows about itself (one per process: signals are process-wide)."""
+
+    def __init__(self) -> None:
+        self.rank: int | None = None
+        self.failed = False
+        self.interrupted = False
+        self.stop_signal: int | None = None  # the preemption signal received, if any
+        self.stop_armed = False  # the loop reads should_stop: preemption signals only set a flag
+        self.describe: Callable[[], str] = lambda: ""
+        self.report: Callable[[BaseException], bool] = lambda error: False
+
+
+_process = _Process()
+_hook: Callable | None = None  # this module's exception hook, once installed
+
+
+def reclaim_excepthook() -> None:
+    """Put this module's exception hook back in front (``init_process_group`` wraps it in its own)."""
+    if _hook is not None:
+        sys.excepthook = _hook
+
+
+def leave(code: int) -> None:
+    """End this process now with ``code``: exit handlers run, the interpreter's slow teardown does not.
+
+    A failing rank must be gone quickly so the launcher can end the others; tearing down an
+    interpreter with torch loaded takes seconds on a busy machine.
+    """
+    import atexit
+
+    _process.failed = _process.failed or code != 0
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        write_stderr("")
+        os._exit(code)
+
+
+def mark_failed() -> None:
+    """Record that this process is ending with an error (exit handlers must not wait for peers)."""
+    _process.failed = True
+
+
+def ending_badly() -> bool:
+    """Whether this process is ending with an error or an interrupt (set before exit handlers run)."""
+    return _process.failed or _process.interrupted or getattr(sys, "last_value", None) is not None
+
+
+def report_errors_with(report: Callable[[BaseException], bool]) -> None:
+    """Let ``report(error)`` handle an uncaught error first (it returns True if it reported it)."""
+    _process.report = report
+
+
+def stop_requested() -> bool:
+    """Whether this process received a preemption signal (SIGTERM or SIGUSR1)."""
+    return _process.stop_signal is not None
+
+
+def arm_stop() -> None:
+    """From now on a preemption signal only sets the flag that ``should_stop`` reports."""
+    _process.stop_armed = True
+
+
+def install(rank: int | None = None, describe: Callable[[], str] | None = None) -> None:
+    """Install the handlers in this process (once; signal handlers only from the main thread).
+
+    Args:
+        rank: global rank, for messages (None: not known yet, e.g. before ``launch()``).
+        describe: returns where the run is (``"at step N; last committed checkpoint: PATH"``), for
+            the Ctrl-C message.
+    """
+    if rank is not None:
+        _process.rank = rank
+    if describe is not None:
+        _process.describe = describe
+    global _hook
+    if _hook is None:
+        previous = sys.excepthook
+
+        def hook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+            _excepthook(previous, tp, value, tb)
+
+        _hook = hook
+    sys.excepthook = _hook
+    if threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _on_interrupt)
+    install_stop_signals()
+
+
+def install_stop_signals() -> None:
+    """Install only the preemption handlers (a single process keeps Python's own Ctrl-C)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in STOP_SIGNALS:
+        if signal.getsignal(signum) in (signal.SIG_DFL, None):
+            signal.signal(signum, _on_stop_signal)
+
+
+def write_stderr(text: str) -> None:
+    """Write to the process's real stderr and flush both streams (safe at exit)."""
+    try:
+        sys.stdout.flush()
+        stderr = sys.__stderr__ or sys.stderr  # torch's rank-prefixing hook may have swapped sys.stderr
+        stderr.write(text)
+        stderr.flush()
+    except (OSError, ValueError):  # a closed stream at exit
+        pass
+
+
+def _hard_exit(code: int) -> None:
+    write_stderr("")
+    os._exit(code)
+
+
+def _on_interrupt(signum: int, frame: FrameType | None) -> None:
+    if _process.interrupted:
+        return  # the terminal and the launcher may both deliver Ctrl-C: act once
+    _process.interrupted = True
+    timer = threading.Timer(INTERRUPT_GRACE_SECONDS, _interrupt_exit)
+    timer.daemon = True
+    timer.start()
+    raise KeyboardInterrupt
+
+
+_exit_lock = threading.Lock()
+
+
+def _interrupt_exit() -> None:
+    _exit_lock.acquire()  # the grace timer and the main thread may both get here: print once
+    if _process.rank in (0, None):
+        where = _process.describe()
+        write_stderr(f"[minifabric] interrupted{' ' + where if where else ''}\n")
+    _hard_exit(INTERRUPTED_EXIT_CODE)
+
+
+def _on_stop_signal(signum: int, frame: FrameType | None) -> None:
+    if _process.stop_armed and _process.stop_signal is None:
+        _process.stop_signal = signum
+        return
+    # nobody asks for a graceful stop (or this is the second signal): end as without minifabric
+    _process.failed = True
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _visible(tb: TracebackType | None) -> TracebackType | None:
+    """The traceback without the frames of the launcher's script runner."""
+    while tb is not None and tb.tb_frame.f_code.co_filename.endswith(_HIDDEN_FRAMES):
+        tb = tb.tb_next
+    return tb
+
+
+def format_stack(frames: traceback.StackSummary) -> str:
+    """Format stack entries, leaving out the launcher's script runner."""
+    shown = [f for f in frames if not f.filename.endswith(_HIDDEN_FRAMES)]
+    return "".join(traceback.StackSummary.from_list(shown).format())
+
+
+def _excepthook(
+    previous: Callable, tp: type[BaseException], value: BaseException, tb: TracebackType | None
+) -> None:
+    if _process.interrupted or issubclass(tp, KeyboardInterrupt):
+        _process.interrupted = True
+        _interrupt_exit()
+    _process.failed = True
+    rank = "" if _process.rank is None else f" {_process.rank}"
+    lost = [p for p in _PEER_LOST if isinstance(value, RuntimeError) and p in str(value)]
+    if isinstance(value, PeerFailed):
+        write_stderr(f"[minifabric] rank{rank} stopped: {value}\n")
+    elif lost:
+        write_stderr(f"[minifabric] rank{rank} stopped: another rank ended first ({lost[0]})\n")
+    elif not _process.report(value):  # e.g. a collective timeout, reported with every rank's stack
+        write_stderr(f"[minifabric] rank{rank} failed with {tp.__name__}: {value}\n")
+        tb = _visible(tb)
+        previous(tp, value.with_traceback(tb), tb)
+    leave(1)
