@@ -67,7 +67,7 @@ def _poll(watch: _Watch) -> None:
             return
         if watch.stopped.is_set():
             return
-        frame = sys._current_frames().get(watch.main.ident)
+        frame = sys._current_frames().get(watch.main.ident or 0)
         stack = (
             signals.format_stack(traceback.extract_stack(frame)) if frame is not None else "  (no frame)\n"
         )
