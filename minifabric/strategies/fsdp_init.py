@@ -9,6 +9,8 @@ a time, so the peak per rank is its shards plus the largest parameter.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -59,12 +61,12 @@ def materialize_sharded(
     with torch.no_grad():
         for sub, name, is_param, base in places:
             if not is_param:
-                buf = sub._buffers[name]
-                sub._buffers[name] = evaluate(base).to(device=buffer_device, dtype=buf.dtype)  # type: ignore[union-attr]
+                dtype: Any = sub._buffers[name].dtype  # type: ignore[union-attr]
+                sub._buffers[name] = evaluate(base).to(device=buffer_device, dtype=dtype)
                 continue
-            param = sub._parameters[name]
+            param: Any = sub._parameters[name]
             if id(param) in done:
                 continue
             done.add(id(param))
-            copy_local_slice(param, evaluate(base).to(param.dtype))  # type: ignore[union-attr]
+            copy_local_slice(param, evaluate(base).to(param.dtype))
     forget_init_records(module)

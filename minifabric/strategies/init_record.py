@@ -19,6 +19,7 @@ import inspect
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import FrameType
 from typing import Any
 
 import torch
@@ -57,6 +58,7 @@ _UNSUPPORTED = {"resize_", "set_", "as_strided_", "t_", "transpose_", "squeeze_"
 _METADATA = {"requires_grad_", "retain_grad", "share_memory_", "rename_"}
 _EMPTY_FACTORIES = {"empty", "empty_like", "new_empty", "empty_strided"}
 #: Out-of-place calls that draw random numbers (their result becomes a tracked tensor).
+_DATA: Any = torch.Tensor.data  # the `.data` property: its __set__ replaces a tensor's data
 _RANDOM_CREATIONS = {
     "randn", "rand", "randint", "randperm", "normal", "randn_like", "rand_like", "randint_like", "bernoulli",
     "multinomial", "poisson", "dropout", "rrelu",
@@ -64,7 +66,7 @@ _RANDOM_CREATIONS = {
 
 
 def _name(func: Callable) -> str:
-    owner = getattr(func, "__self__", None)
+    owner: Any = getattr(func, "__self__", None)
     if type(owner).__name__ == "getset_descriptor":  # property access: Tensor.data, Tensor.is_meta
         return f"{owner.__name__}.{func.__name__}"
     return getattr(func, "__name__", "")
@@ -185,7 +187,7 @@ class InitRecorder(TorchFunctionMode):
 
         return Op(func, tree_map(convert, args), tree_map(convert, kwargs), next(SEQ), **extra)
 
-    def _inplace(self, func: Callable, name: str, target: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+    def _inplace(self, func: Callable, name: str, target: Any, args: tuple, kwargs: dict) -> Any:
         handle = self.lookup(target)
         if handle is None:  # writes an untracked tensor using a tracked one's value
             return self._derived(func, args, kwargs, [])
@@ -235,8 +237,8 @@ class InitRecorder(TorchFunctionMode):
         handle = self.lookup(target)
         source = self.lookup(value)
         if handle is None:
-            return torch.Tensor.data.__set__(target, value)
-        torch.Tensor.data.__set__(target, value if value.is_meta else value.to("meta"))
+            return _DATA.__set__(target, value)
+        _DATA.__set__(target, value if value.is_meta else value.to("meta"))
         if source is not None and source.base is handle.base and not source.chain:
             return None
         base = Base(value.shape, value.dtype, "computed")
@@ -281,7 +283,7 @@ class InitRecorder(TorchFunctionMode):
         ``trunc_normal_``, ``orthogonal_``, ``dirac_`` and ``sparse_`` check ``tensor.is_meta`` and do
         nothing; the outermost ``torch.nn.init`` frame on the stack holds the call's arguments.
         """
-        frame = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(1)
         outer = None
         while frame is not None:
             if frame.f_globals.get("__name__") == "torch.nn.init":
@@ -292,7 +294,7 @@ class InitRecorder(TorchFunctionMode):
         if outer is None:
             return
         fn = getattr(torch.nn.init, outer.f_code.co_name, None)
-        if getattr(fn, "__code__", None) is not outer.f_code:
+        if fn is None or getattr(fn, "__code__", None) is not outer.f_code:
             return
         params = inspect.signature(fn).parameters
         kwargs = {n: outer.f_locals[n] for n in params if n in outer.f_locals}

@@ -177,9 +177,9 @@ def evaluate(base: Base, upto: int | None = None) -> torch.Tensor:
     elif base.origin == "empty":
         value = torch.empty(base.shape, dtype=base.dtype)
     else:
-        creator = base.creator
-        result = call(creator, None, _resolve, _generators(creator))  # type: ignore[arg-type]
-        value = result if creator.index is None else result[creator.index]  # type: ignore[union-attr]
+        creator: Any = base.creator
+        result = call(creator, None, _resolve, _generators(creator))
+        value = result if creator.index is None else result[creator.index]
         if _shares_input(value, creator):  # a creation that returned (a view of) its input
             value = value.clone()
     with torch.no_grad():

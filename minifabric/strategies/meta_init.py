@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -177,9 +178,9 @@ def materialize(module: nn.Module, device: torch.device) -> None:
     replaced: dict[int, torch.Tensor] = {}
     for sub, name, is_param, base in places:
         tensors = sub._parameters if is_param else sub._buffers
-        old = tensors[name]
+        old: Any = tensors[name]
         if id(old) not in replaced:
-            value = evaluate(base).to(device=device, dtype=old.dtype)  # type: ignore[union-attr]
-            replaced[id(old)] = type(old)(value, requires_grad=old.requires_grad) if is_param else value  # type: ignore[call-arg,union-attr]
+            value = evaluate(base).to(device=device, dtype=old.dtype)
+            replaced[id(old)] = type(old)(value, requires_grad=old.requires_grad) if is_param else value
         tensors[name] = replaced[id(old)]  # type: ignore[assignment]
     forget_init_records(module)
