@@ -13,10 +13,12 @@ from minifabric.seed import seed_everything  # noqa: E402
 from minifabric.strategies import DDPStrategy, SingleDeviceStrategy, Strategy, wrap  # noqa: E402
 
 if TYPE_CHECKING:
+    from minifabric.checkpoint.hf import export_safetensors
     from minifabric.estimate import estimate_memory
     from minifabric.strategies.fsdp import FSDPStrategy
 
 __version__ = "0.1.0"
+
 
 __all__ = [
     "Accelerator",
@@ -29,6 +31,7 @@ __all__ = [
     "Strategy",
     "TruePrecision",
     "estimate_memory",
+    "export_safetensors",
     "seed_everything",
     "wrap",
 ]
@@ -44,4 +47,9 @@ def __getattr__(name: str) -> Any:
         from minifabric.estimate import estimate_memory
 
         return estimate_memory
+    # torch's distributed checkpointing too
+    if name == "export_safetensors":
+        from minifabric.checkpoint.hf import export_safetensors
+
+        return export_safetensors
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

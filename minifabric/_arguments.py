@@ -67,3 +67,16 @@ def check_state(state: Any) -> None:
             raise RuntimeError(
                 f"state[{key!r}] still has meta parameters: call `acc.setup(model)` before saving it."
             )
+
+
+def check_safetensors_state(state: dict[str, Any], asynchronous: bool) -> nn.Module:
+    """The one module of a ``save(..., format="safetensors")`` call."""
+    modules = [value for value in state.values() if isinstance(value, nn.Module)]
+    if len(modules) != 1 or len(state) != 1:
+        raise ValueError(
+            f'format="safetensors" writes one model\'s weights; state has {sorted(state)}. Save the model'
+            ' alone: `acc.save(path, {"model": model}, format="safetensors")`.'
+        )
+    if asynchronous:
+        raise ValueError('format="safetensors" does not write asynchronously; pass `asynchronous=False`.')
+    return modules[0]

@@ -23,6 +23,7 @@ __all__ = [
     "default_store",
     "fake_tensor_mode",
     "fake_world",
+    "local_box",
     "local_slice",
     "memory_tracker",
     "module_registration_hooks",
@@ -180,11 +181,17 @@ def module_registration_hooks(
         nn.Module.register_buffer = register_buffer  # type: ignore[method-assign]
 
 
-def local_slice(full: torch.Tensor, mesh: Any, placements: Any) -> torch.Tensor:
-    """This rank's part of ``full`` under a DTensor layout, cut on ``full``'s own device (no comms)."""
+def local_box(shape: Any, mesh: Any, placements: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's part of a tensor of ``shape`` under a DTensor layout: its shape and where it starts."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, placements)
+    local, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(local), tuple(offset)
+
+
+def local_slice(full: torch.Tensor, mesh: Any, placements: Any) -> torch.Tensor:
+    """This rank's part of ``full`` under a DTensor layout, cut on ``full``'s own device (no comms)."""
+    shape, offset = local_box(full.shape, mesh, placements)
     for dim, (size, start) in enumerate(zip(shape, offset, strict=True)):
         full = full.narrow(dim, start, size)
     return full

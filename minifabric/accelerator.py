@@ -11,14 +11,20 @@ import weakref
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from minifabric._arguments import CallWithAccelerator, check_state, point_scheduler_at, unwrap_state
+from minifabric._arguments import (
+    CallWithAccelerator,
+    check_safetensors_state,
+    check_state,
+    point_scheduler_at,
+    unwrap_state,
+)
 from minifabric._torch import split_compiled
 from minifabric.callbacks import as_list, call_hook, check_loggers, log_metrics
 from minifabric.data import distributed_dataloader
@@ -30,6 +36,9 @@ from minifabric.signals import PeerFailed
 from minifabric.strategies.rebind import OrphanWatch, optimizer_parameters, parameter_names, rebind_optimizer
 from minifabric.strategies.strategy import Strategy
 from minifabric.wrappers import _WrappedDataLoader, _WrappedModule, _WrappedOptimizer
+
+if TYPE_CHECKING:
+    from minifabric.checkpoint.hf import KeyMap
 
 
 class Accelerator:
@@ -445,7 +454,14 @@ class Accelerator:
 
     # ---- checkpoints -------------------------------------------------------------------------
 
-    def save(self, path: str | os.PathLike, state: dict[str, Any], *, asynchronous: bool = False) -> Any:
+    def save(
+        self,
+        path: str | os.PathLike,
+        state: dict[str, Any],
+        *,
+        asynchronous: bool = False,
+        format: Literal["minifabric", "safetensors"] = "minifabric",
+    ) -> Any:
         """Save ``state`` (modules, optimizers, stateful objects, tensors, plain values) to ``path``.
 
         Call on every rank. Under FSDP this writes a sharded checkpoint folder by default. Until it
@@ -457,10 +473,20 @@ class Accelerator:
             state: names to modules, optimizers, objects with ``state_dict()``, tensors and plain values.
             asynchronous: write in the background.
 
+            format: ``"safetensors"`` writes the one model in ``state`` as a Hugging Face model folder
+                (``config.json`` and ``model.safetensors``; rank 0 writes, one tensor at a time).
+
         Returns:
             With ``asynchronous=True``, a handle whose ``.wait()`` blocks until the save is committed.
         """
         check_state(state)
+        if format == "safetensors":
+            module = check_safetensors_state(state, asynchronous)
+            return self._strategy.export_safetensors(Path(path), unwrap_state({"m": module})["m"])
+        if format != "minifabric":
+            raise ValueError(
+                f'format={format!r} is unknown. Use "minifabric" (a checkpoint) or "safetensors".'
+            )
         return self._strategy.save_checkpoint(Path(path), unwrap_state(state), asynchronous=asynchronous)
 
     def load(
@@ -495,18 +521,30 @@ class Accelerator:
                 state[key] = value
         return remainder
 
-    def load_raw(self, path: str | os.PathLike, obj: nn.Module | Optimizer, strict: bool = True) -> None:
-        """Load a plain ``torch.save(model.state_dict())`` file (or a consolidated checkpoint) into ``obj``.
+    def load_raw(
+        self,
+        path: str | os.PathLike,
+        obj: nn.Module | Optimizer,
+        strict: bool = True,
+        *,
+        key_map: KeyMap | None = None,
+    ) -> None:
+        """Load a plain ``torch.save(model.state_dict())`` file, a consolidated checkpoint, or Hugging Face
+        safetensors (a ``.safetensors`` file or a ``save_pretrained`` folder) into ``obj``.
 
         Args:
-            path: the file.
-            obj: a module or optimizer (set up or not).
+            path: the file, or a folder holding ``model.safetensors`` or ``model.safetensors.index.json``.
+            obj: a module or optimizer (set up; safetensors load into modules only).
             strict: raise on missing or unexpected keys.
+            key_map: renames the safetensors' tensors to the model's names: a dict
+                ``{"file.name": "model.name"}`` (other names unchanged) or a function (None skips a tensor).
+
+        Under FSDP each rank reads only its shard of the safetensors, straight into its parameters.
         """
         target = unwrap_state({"obj": obj})["obj"]
         if not isinstance(target, (nn.Module, Optimizer)):
             raise TypeError(f"`load_raw` loads into a module or optimizer, got {type(obj).__name__}.")
-        self._strategy.load_raw(Path(path), target, strict=strict)
+        self._strategy.load_raw(Path(path), target, strict=strict, key_map=key_map)
 
     # ---- collectives and utilities -----------------------------------------------------------
 

@@ -114,6 +114,17 @@ def _add_consolidate(commands: Any) -> None:
     )
     consolidate.add_argument("checkpoint", help="the sharded checkpoint folder")
     consolidate.add_argument("output", help="the file to write")
+    formats = consolidate.add_argument_group("Hugging Face safetensors (--format safetensors)")
+    formats.add_argument(
+        "--format",
+        choices=["torch", "safetensors"],
+        default="torch",
+        help="safetensors: write a Hugging Face model folder, or OUT.safetensors (default: torch)",
+    )
+    formats.add_argument("--dtype", help="floating dtype to write, e.g. bf16 (default: each tensor's own)")
+    formats.add_argument("--strip-prefix", help="remove this prefix from every name, e.g. model.")
+    formats.add_argument("--max-shard-size", help="size cap per file, e.g. 5GB (default: one file)")
+    formats.add_argument("--entry", help="which model of the checkpoint (default: the only one, or model)")
     consolidate.set_defaults(handler=_consolidate)
 
 
@@ -265,9 +276,19 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def _consolidate(args: argparse.Namespace) -> None:
-    from minifabric.checkpoint.consolidate import consolidate
+    extra = [f"--{k.replace('_', '-')}" for k in ("dtype", "strip_prefix", "max_shard_size", "entry")
+             if getattr(args, k) is not None]  # fmt: skip
+    if extra and args.format != "safetensors":
+        raise SystemExit(f"minifabric consolidate: {', '.join(extra)} need --format safetensors.")
+    if args.format == "safetensors":
+        from minifabric.checkpoint.hf import export_safetensors
 
-    consolidate(args.checkpoint, args.output)
+        export_safetensors(args.checkpoint, args.output, entry=args.entry, dtype=args.dtype,
+                           strip_prefix=args.strip_prefix, max_shard_size=args.max_shard_size)  # fmt: skip
+    else:
+        from minifabric.checkpoint.consolidate import consolidate
+
+        consolidate(args.checkpoint, args.output)
     print(f"wrote {args.output}", file=sys.stderr)
 
 

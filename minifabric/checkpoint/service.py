@@ -20,6 +20,7 @@ from torch.utils.hooks import RemovableHandle
 from minifabric.checkpoint import full, restore, rng, sharded
 from minifabric.checkpoint.comm import Comm
 from minifabric.checkpoint.errors import CheckpointError
+from minifabric.checkpoint.hf.ties import tied_groups
 from minifabric.checkpoint.state import FORMAT_KEY, FORMAT_VERSION, collect, kinds
 from minifabric.checkpoint.tensors import stage
 
@@ -120,6 +121,7 @@ class Checkpointer:
             "format": form,
             "world_size": comm.world_size,
             "kinds": entry_kinds,
+            "tied": {k: tied_groups(v) for k, v in state.items() if entry_kinds[k] == "module"},
             "ranks": comm.gather(record),
         }
         if form == "sharded":

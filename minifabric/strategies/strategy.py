@@ -325,12 +325,30 @@ class Strategy:
         self.lifecycle.loaded(Path(path))
         return remainder
 
-    def load_raw(self, path: Path, obj: nn.Module | Optimizer, strict: bool = True) -> None:
-        """Load a plain state-dict file (e.g. a consolidated checkpoint) into ``obj``."""
-        from minifabric.checkpoint import full
+    def load_raw(
+        self, path: Path, obj: nn.Module | Optimizer, strict: bool = True, key_map: Any = None
+    ) -> None:
+        """Load a plain state-dict file, a consolidated checkpoint or Hugging Face safetensors into ``obj``."""
+        from minifabric.checkpoint import full, hf
 
         self.checkpointer.wait()
+        if hf.is_safetensors(Path(path)):
+            if not isinstance(obj, nn.Module):
+                raise TypeError(f"Safetensors weights load into a module, got {type(obj).__name__}.")
+            hf.load_safetensors(self.checkpointer.comm, Path(path), obj, strict=strict, key_map=key_map)
+            return
+        if key_map is not None:
+            raise ValueError(
+                "key_map= applies to safetensors weights only; rename a state dict's keys yourself."
+            )
         full.load_raw(self, Path(path), obj, strict=strict)
+
+    def export_safetensors(self, path: Path, module: nn.Module) -> None:
+        """Write ``module``'s weights as Hugging Face safetensors at ``path`` (every rank calls, rank 0 writes)."""
+        from minifabric.checkpoint import hf
+
+        self.checkpointer.wait()
+        hf.export_module(self.checkpointer.comm, module, path)
 
     def wrap(self, module: nn.Module) -> nn.Module:
         """Shard ``module`` now (FSDP); other strategies return it unchanged."""
