@@ -277,9 +277,11 @@ class Accelerator:
                 raise ValueError(
                     "`scheduler=` needs an optimizer: `acc.setup(model, optimizer, scheduler=sched)`."
                 )
+            self.call("on_after_setup", fabric=self, module=model)
             return model
         wrapped = self.setup_optimizers(*optimizers)
         wrapped = list(wrapped) if isinstance(wrapped, (list, tuple)) else [wrapped]
+        self.call("on_after_setup", fabric=self, module=model)  # Fabric's hook, after setup(model, opt)
         if scheduler is not None:
             point_scheduler_at(scheduler, wrapped[0])
             return (model, *wrapped, scheduler)
@@ -333,7 +335,9 @@ class Accelerator:
                 raise TypeError(f"Expected a torch.optim.Optimizer, got {type(optimizer).__name__}.")
             names, module = self._owner(optimizer)
             rebind_optimizer(optimizer, names, module)
-            wrapped.append(_WrappedOptimizer(self._strategy.setup_optimizer(optimizer), self._strategy))
+            wrapped.append(
+                _WrappedOptimizer(self._strategy.setup_optimizer(optimizer), self._strategy, self._callbacks)
+            )
         return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
 
     def _owner(self, optimizer: Optimizer) -> tuple[dict[int, str], nn.Module]:

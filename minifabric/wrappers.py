@@ -199,12 +199,13 @@ class _WrappedOptimizer:
 
     _SHARED = ("state", "param_groups", "defaults")
 
-    def __init__(self, optimizer: Optimizer, strategy: Strategy) -> None:
+    def __init__(self, optimizer: Optimizer, strategy: Strategy, callbacks: list[Any] | None = None) -> None:
         skip = ("state_dict", "step", "__del__", *self._SHARED)
         self.__dict__ = {k: v for k, v in optimizer.__dict__.items() if k not in skip}
         self.__class__ = type("Wrapped" + type(optimizer).__name__, (type(self), type(optimizer)), {})
         self._optimizer = optimizer
         self._strategy = strategy
+        self._callbacks = callbacks if callbacks is not None else []  # for on_after_optimizer_step
 
     @property
     def optimizer(self) -> Optimizer:
@@ -237,7 +238,12 @@ class _WrappedOptimizer:
 
     def step(self, closure: Any = None) -> Any:
         kwargs = {"closure": closure} if closure is not None else {}
-        return self._strategy.optimizer_step(self._optimizer, **kwargs)
+        output = self._strategy.optimizer_step(self._optimizer, **kwargs)
+        for callback in self._callbacks:  # as Fabric's optimizer does
+            hook = getattr(callback, "on_after_optimizer_step", None)
+            if callable(hook):
+                hook(strategy=self._strategy, optimizer=self._optimizer)
+        return output
 
     def state_dict(self) -> dict[str, Any]:
         return self._optimizer.state_dict()

@@ -188,3 +188,23 @@ def test_fsdp1_keyword_arguments_map_or_warn_once():
 def test_unknown_or_unsupported_fsdp_arguments_raise(kwargs: dict, error: type, match: str):
     with pytest.raises(error, match=match):
         FSDPStrategy(**kwargs)
+
+
+def test_fabric_hooks_after_setup_and_after_each_optimizer_step():
+    class Hooks:
+        def __init__(self) -> None:
+            self.seen: list = []
+
+        def on_after_setup(self, fabric: Accelerator, module: nn.Module) -> None:
+            self.seen.append(("setup", fabric, module))
+
+        def on_after_optimizer_step(self, strategy: object, optimizer: torch.optim.Optimizer) -> None:
+            self.seen.append(("step", strategy, optimizer))
+
+    hooks = Hooks()
+    acc = Accelerator(accelerator="cpu", callbacks=hooks)
+    module = nn.Linear(2, 1)
+    model, optimizer = acc.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    acc.backward(model(torch.ones(1, 2)).sum())
+    optimizer.step()
+    assert hooks.seen == [("setup", acc, model), ("step", acc.strategy, optimizer.optimizer)]
