@@ -11,6 +11,22 @@ from typing import Any
 
 import torch.distributed as dist
 
+from minifabric.checkpoint.errors import CheckpointError, UnsaveableValueError
+
+
+def describe(err: BaseException) -> str:
+    """The message of ``err`` for the other ranks: each failing rank's cause for DCP's exception."""
+    if isinstance(err, CheckpointError):
+        return str(err)
+    failures = getattr(err, "failures", None)  # DCP's CheckpointException
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, failure in sorted(failures.items()):
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            parts.append(f"rank {rank}: {type(cause).__name__}: {cause}")
+        return "; ".join(parts)
+    return f"{type(err).__name__}: {err}"
+
 
 class Comm:
     """Rank, world size and object collectives over the checkpoint group (identity with one process)."""
@@ -26,6 +42,11 @@ class Comm:
     def is_zero(self) -> bool:
         """Whether this is global rank 0 (which decides paths and writes the commit record)."""
         return self.rank == 0
+
+    def barrier(self) -> None:
+        """Wait for every rank (on the checkpoint group)."""
+        if self.distributed:
+            dist.barrier(group=self.group)
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's object on every rank."""
@@ -50,3 +71,30 @@ class Comm:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def agree(self, error: BaseException | None, context: str = "", outcome: str = "") -> None:
+        """Raise the same error on every rank if any rank failed (collective: every rank must call it).
+
+        A :class:`CheckpointError` keeps its own message; any other failure becomes
+        ``"{context} (rank 1: ValueError: ...){outcome}"``, naming each failing rank's cause once. A
+        refused ``state`` value raises :class:`UnsaveableValueError` (also a ``TypeError``).
+        """
+        if isinstance(error, KeyboardInterrupt):
+            raise error
+        mine = None
+        if isinstance(error, CheckpointError):
+            mine = (isinstance(error, UnsaveableValueError), True, str(error))
+        elif error is not None:
+            text = describe(error)
+            if getattr(error, "failures", None) is None:
+                text = f"rank {self.rank}: {text}"
+            mine = (False, False, text)
+        failed = [e for e in self.all_gather(mine) if e is not None]
+        if not failed:
+            return
+        own = list(dict.fromkeys(text for _, is_own, text in failed if is_own))
+        causes = list(dict.fromkeys(text for _, is_own, text in failed if not is_own))
+        if causes:
+            own.append(f"{context} ({'; '.join(causes)}){outcome}")
+        cls = UnsaveableValueError if all(value for value, _, _ in failed) else CheckpointError
+        raise cls(" | ".join(own)) from error

@@ -1,12 +1,23 @@
-"""The crash-safe commit of a checkpoint folder.
+"""The crash-safe commit of a sharded checkpoint: immutable version folders and a pointer file.
 
-A save never writes into a committed checkpoint. Every rank writes into a fresh staging folder next
-to ``path`` (``.NAME.partial-XXXX``); once all ranks are done, rank 0 writes the commit record
-(``COMMIT.json``, listing every file and its size) *last*, fsyncs, and swaps the staging folder into
-``path`` with one atomic ``renameat2(RENAME_EXCHANGE)``. The previous checkpoint is deleted only
-after the new one is in place. A process killed at any moment therefore leaves ``path`` holding a
-whole checkpoint, and ``load`` refuses any folder whose commit record is missing or does not match
-its files.
+A sharded checkpoint at ``path`` is a folder::
+
+    path/
+      LATEST                  names the committed version; replaced with os.replace (the commit point)
+      v000002-1a2b3c4d/       a committed version, never written again: shards, side record, COMMIT.json
+      .partial-5e6f7a8b/      a save in progress or interrupted: never loaded, removed by the next commit
+
+A save writes into a fresh ``.partial-*`` folder inside ``path``. Once every rank is done, rank 0
+writes the side record and the commit record (``COMMIT.json``: every file and its size) into it,
+fsyncs, renames it to its version name, then writes ``.LATEST.tmp``, fsyncs it and renames it onto
+``LATEST``. Older versions and leftovers are removed only after that. Every step is a single rename
+within one folder, which POSIX makes atomic on every file system (NFS, Lustre and GPFS included),
+and at every instant ``LATEST`` names a whole version: a process killed at any point leaves ``path``
+loading as exactly the previous or exactly the new checkpoint. docs/checkpoints.md lists the points.
+
+Where ``path`` is a one-file checkpoint, the new folder is built whole next to it, the file is
+renamed aside, the folder renamed to ``path`` and the file removed; ``load`` finds the file aside if
+a crash came between the two renames.
 
 For tests, ``MINIFABRIC_CHECKPOINT_FAULT=POINT:RANK`` kills rank RANK with SIGKILL at POINT (one of
 :data:`FAULT_POINTS`).
@@ -14,23 +25,36 @@ For tests, ``MINIFABRIC_CHECKPOINT_FAULT=POINT:RANK`` kills rank RANK with SIGKI
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from minifabric.checkpoint.errors import CheckpointError
 
+POINTER = "LATEST"
 RECORD = "COMMIT.json"
 SIDE_RECORD = "minifabric.pt"
 FORMAT_NAME = "minifabric-sharded"
+PARTIAL = ".partial-"
 FAULT_ENV = "MINIFABRIC_CHECKPOINT_FAULT"
-FAULT_POINTS = ("before_shard", "after_shard", "before_commit", "after_commit_record", "after_swap")
+FAULT_POINTS = (
+    "before_shard",
+    "after_shard",
+    "before_commit",
+    "after_commit_record",
+    "after_rename",
+    "after_pointer_tmp",
+    "after_pointer",
+    "after_cleanup",
+    "after_file_aside",
+)
 
 
 def fault(point: str, rank: int) -> None:
@@ -40,24 +64,29 @@ def fault(point: str, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def staging_prefix(path: Path) -> str:
-    """The name prefix of staging folders for ``path``: hidden siblings that ``load`` never picks up."""
-    return f".{path.name}.partial-"
+def _aside_prefix(path: Path) -> str:
+    """Name prefix of a one-file checkpoint moved aside while a folder replaces it."""
+    return f".{path.name}.previous-"
+
+
+_VERSION = re.compile(r"v(\d{6})-[0-9a-f]{8}")
+
+
+def _owned(name: str) -> bool:
+    """Whether an entry of a checkpoint folder is one minifabric writes."""
+    return name in (POINTER, f".{POINTER}.tmp") or name.startswith(PARTIAL) or bool(_VERSION.fullmatch(name))
 
 
 def target_error(path: Path) -> str | None:
     """Why a sharded checkpoint cannot be saved to ``path``, or None (checked on rank 0 before writing)."""
-    if path.exists() and not path.is_dir():
-        return (
-            f"Cannot save a sharded checkpoint to {str(path)!r}: it is a file, and a sharded checkpoint is a"
-            f" folder. Choose a folder path, e.g. {str(path.with_suffix(''))!r}, or save one file with"
-            ' `FSDPStrategy(state_dict_type="full")`.'
-        )
-    if path.is_dir() and any(path.iterdir()) and not (path / RECORD).is_file():
-        return (
-            f"Refusing to replace {str(path)!r}: it is a folder that holds no minifabric checkpoint."
-            " Save to a new path or remove that folder first."
-        )
+    if path.is_dir() and not (path / POINTER).is_file() and not (path / RECORD).is_file():
+        if not all(_owned(p.name) for p in path.iterdir()):
+            return (
+                f"Refusing to replace {str(path)!r}: it is a folder that holds no minifabric checkpoint."
+                " Save to a new path or remove that folder first."
+            )
+    if path.exists() and not path.is_dir() and not path.is_file():
+        return f"Cannot save a sharded checkpoint to {str(path)!r}: it is neither a folder nor a file."
     return unwritable_parent_error(path)
 
 
@@ -71,12 +100,31 @@ def unwritable_parent_error(path: Path) -> str | None:
     return None
 
 
-def make_staging(path: Path) -> Path:
-    """Create and return a fresh staging folder next to ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.parent / f"{staging_prefix(path)}{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
-    return staging
+@dataclass
+class Staging:
+    """Where a save writes (``work``) and the checkpoint folder it commits into (``container``)."""
+
+    path: Path
+    container: Path
+    work: Path
+
+    @property
+    def replaces_file(self) -> bool:
+        """Whether the checkpoint folder is built next to a one-file checkpoint it will replace."""
+        return self.container != self.path
+
+
+def make_staging(path: Path) -> Staging:
+    """Create a fresh staging folder for a save to ``path`` (rank 0)."""
+    token = uuid.uuid4().hex[:8]
+    if path.is_file():
+        container = path.parent / f".{path.name}{PARTIAL}{token}"
+    else:
+        container = path
+    container.mkdir(parents=True, exist_ok=True)
+    work = container / f"{PARTIAL}{token}"
+    work.mkdir()
+    return Staging(path, container, work)
 
 
 def fsync_path(path: Path) -> None:
@@ -88,9 +136,9 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def write_record(staging: Path, world_size: int) -> dict[str, Any]:
-    """Write the commit record into ``staging`` (rank 0, after every rank finished); return it."""
-    files = {p.name: p.stat().st_size for p in sorted(staging.iterdir()) if p.is_file() and p.name != RECORD}
+def write_record(folder: Path, world_size: int) -> dict[str, Any]:
+    """Write the commit record into ``folder`` (rank 0, after every rank finished); return it."""
+    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != RECORD}
     record = {
         "format": FORMAT_NAME,
         "version": 1,
@@ -98,87 +146,117 @@ def write_record(staging: Path, world_size: int) -> dict[str, Any]:
         "created": time.time(),
         "files": files,
     }
-    tmp = staging / f".{RECORD}.tmp"
+    tmp = folder / f".{RECORD}.tmp"
     with open(tmp, "w") as f:
         json.dump(record, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, staging / RECORD)
-    fsync_path(staging)
+    os.replace(tmp, folder / RECORD)
+    fsync_path(folder)
     return record
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (AttributeError, OSError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: the file system cannot exchange
-        return False
-    raise OSError(err, f"renameat2({str(a)!r}, {str(b)!r}) failed: {os.strerror(err)}")
+def _next_version(container: Path) -> str:
+    numbers = [int(m.group(1)) for p in container.iterdir() if (m := _VERSION.fullmatch(p.name))]
+    return f"v{max(numbers, default=0) + 1:06d}-{uuid.uuid4().hex[:8]}"
 
 
-def swap_into_place(staging: Path, path: Path, rank: int = 0) -> None:
-    """Move the committed ``staging`` folder to ``path``; remove the previous checkpoint afterwards."""
-    if not path.exists():
-        os.rename(staging, path)
-        fsync_path(path.parent)
-        return
-    if _exchange(staging, path):
-        fsync_path(path.parent)
-        fault("after_swap", rank)
-        shutil.rmtree(staging, ignore_errors=True)  # now holds the previous checkpoint
-        return
-    # Without an atomic exchange there is a short window where `path` is missing; `load` then
-    # points at the `.old-` sibling that still holds the previous checkpoint.
-    old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-    os.rename(path, old)
-    os.rename(staging, path)
-    fsync_path(path.parent)
-    shutil.rmtree(old, ignore_errors=True)
+def commit(staging: Staging, world_size: int, rank: int = 0) -> None:
+    """Make the finished ``staging.work`` the checkpoint at ``staging.path`` (rank 0; see the module doc)."""
+    fault("before_commit", rank)
+    write_record(staging.work, world_size)
+    fault("after_commit_record", rank)
+    version = staging.container / _next_version(staging.container)
+    os.rename(staging.work, version)
+    fsync_path(staging.container)
+    fault("after_rename", rank)
+    tmp = staging.container / f".{POINTER}.tmp"
+    with open(tmp, "w") as f:
+        f.write(version.name)
+        f.flush()
+        os.fsync(f.fileno())
+    fault("after_pointer_tmp", rank)
+    os.replace(tmp, staging.container / POINTER)
+    fsync_path(staging.container)
+    fault("after_pointer", rank)
+    if staging.replaces_file:
+        aside = staging.path.parent / f"{_aside_prefix(staging.path)}{uuid.uuid4().hex[:8]}"
+        os.rename(staging.path, aside)
+        fault("after_file_aside", rank)
+        os.rename(staging.container, staging.path)
+        fsync_path(staging.path.parent)
+    remove_stale(staging.path, keep=version.name)
+    fault("after_cleanup", rank)
 
 
-def remove_stale(path: Path, keep: Path | None = None) -> None:
-    """Delete staging folders of earlier interrupted saves to ``path`` (rank 0, after a commit)."""
-    for sibling in path.parent.glob(f"{staging_prefix(path)}*"):
-        if sibling != keep:
-            shutil.rmtree(sibling, ignore_errors=True)
+def abort(staging: Staging) -> None:
+    """Remove a staging folder after a failed save (rank 0); the committed checkpoint is untouched."""
+    shutil.rmtree(staging.container if staging.replaces_file else staging.work, ignore_errors=True)
+
+
+def remove_stale(path: Path, keep: str | None = None) -> None:
+    """Delete everything of ``path`` but ``LATEST`` and version ``keep`` (rank 0, after a commit)."""
+    for entry in path.iterdir() if path.is_dir() else ():
+        if entry.name not in (POINTER, keep) and _owned(entry.name):
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+    for sibling in path.parent.glob(f".{path.name}*"):
+        if sibling.name.startswith((_aside_prefix(path), f".{path.name}{PARTIAL}")):
+            shutil.rmtree(sibling, ignore_errors=True) if sibling.is_dir() else sibling.unlink(
+                missing_ok=True
+            )
 
 
 def _interrupted_hint(path: Path) -> str:
-    partial = sorted(path.parent.glob(f"{staging_prefix(path)}*")) + sorted(
-        path.parent.glob(f".{path.name}.old-*")
-    )
+    partial = sorted(path.glob(f"{PARTIAL}*")) if path.is_dir() else []
     if not partial:
         return ""
     return f" An interrupted save was found at {str(partial[0])!r}; it is never loaded."
 
 
-def verify(path: Path) -> dict[str, Any]:
-    """Check that ``path`` is a committed, complete sharded checkpoint; return its commit record.
+def locate(path: Path) -> Path:
+    """What holds the checkpoint saved at ``path``: a committed version folder, or a one-file checkpoint.
 
     Raises:
-        CheckpointError: no such folder, no commit record (an interrupted save), or files missing
-            or of the wrong size.
+        CheckpointError: nothing was ever committed at ``path``.
     """
-    if not path.exists():
-        raise CheckpointError(
-            f"No checkpoint at {str(path)!r}: the path does not exist.{_interrupted_hint(path)}"
-        )
-    record_path = path / RECORD
-    if not record_path.is_file():
-        interrupted = path.name.startswith(".") and ".partial-" in path.name
-        if interrupted or any(path.glob("*.distcp")) or (path / SIDE_RECORD).exists():
+    if path.is_dir():
+        pointer = path / POINTER
+        if pointer.is_file():
+            version = path / pointer.read_text().strip()
+            if not version.is_dir():
+                raise CheckpointError(
+                    f"{str(pointer)!r} names {version.name!r}, which is missing: the checkpoint was changed"
+                    " by hand. Point LATEST at a complete version folder in it."
+                )
+            return version
+        if (path / RECORD).is_file():  # a version folder itself
+            return path
+        if path.name.startswith(PARTIAL) or any(path.glob(f"{PARTIAL}*")) or any(path.glob("*.distcp")):
             raise CheckpointError(
-                f"{str(path)!r} was never committed: an interrupted save was found (no {RECORD}). It is not"
-                " loaded; load the last complete checkpoint instead."
+                f"{str(path)!r} was never committed: an interrupted save was found (no {POINTER})."
+                f"{_interrupted_hint(path)} Load the last complete checkpoint instead."
             )
-        raise CheckpointError(f"{str(path)!r} is not a minifabric checkpoint (no {RECORD} in that folder).")
+        raise CheckpointError(f"{str(path)!r} is not a minifabric checkpoint (no {POINTER} in that folder).")
+    if path.exists():
+        return path
+    aside = sorted(path.parent.glob(f"{_aside_prefix(path)}*"))
+    if aside:  # a crash came while a folder replaced this one-file checkpoint
+        return aside[0]
+    raise CheckpointError(f"No checkpoint at {str(path)!r}: the path does not exist.")
+
+
+def verify(folder: Path) -> dict[str, Any]:
+    """Check that ``folder`` is a committed, complete checkpoint version; return its commit record.
+
+    Raises:
+        CheckpointError: no commit record (an interrupted save), or files missing or of the wrong size.
+    """
+    record_path = folder / RECORD
+    if not record_path.is_file():
+        raise CheckpointError(
+            f"{str(folder)!r} was never committed: an interrupted save was found (no {RECORD}). It is not"
+            " loaded; load the last complete checkpoint instead."
+        )
     try:
         record = json.loads(record_path.read_text())
         files = dict(record["files"])
@@ -186,11 +264,11 @@ def verify(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"The commit record {str(record_path)!r} is unreadable ({err}).") from err
     problems = []
     for name, size in files.items():
-        file = path / name
+        file = folder / name
         if not file.is_file():
             problems.append(f"{name} is missing")
         elif file.stat().st_size != size:
             problems.append(f"{name} has {file.stat().st_size} bytes, the commit record says {size}")
     if problems:
-        raise CheckpointError(f"The checkpoint {str(path)!r} is incomplete: " + "; ".join(problems) + ".")
+        raise CheckpointError(f"The checkpoint {str(folder)!r} is incomplete: " + "; ".join(problems) + ".")
     return record

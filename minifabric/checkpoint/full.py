@@ -15,7 +15,6 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from minifabric.checkpoint.comm import Comm
 from minifabric.checkpoint.commit import fsync_path, unwritable_parent_error
 from minifabric.checkpoint.errors import CheckpointError
 from minifabric.checkpoint.state import FORMAT_KEY, validate
@@ -47,26 +46,6 @@ def write_atomic(path: Path, payload: Any) -> None:
         fsync_path(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def check_target(comm: Comm, path: Path) -> None:
-    """Rank 0 checks that ``path`` can take a one-file checkpoint; every rank raises the same error."""
-    error = comm.broadcast(writable_file_error(path) if comm.is_zero else None)
-    if error:
-        raise CheckpointError(error)
-
-
-def write(comm: Comm, path: Path, payload: dict[str, Any] | None) -> None:
-    """Rank 0 writes ``payload`` to ``path``; a failure raises on every rank (collective over ``comm``)."""
-    error = None
-    if comm.is_zero:
-        try:
-            write_atomic(path, payload)
-        except OSError as err:
-            error = f"Writing the checkpoint {str(path)!r} failed ({err}); the previous file at that path is intact."
-    error = comm.broadcast(error)
-    if error:
-        raise CheckpointError(error)
 
 
 def read(path: Path) -> Any:

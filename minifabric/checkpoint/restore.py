@@ -18,8 +18,10 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from minifabric.checkpoint import full, rng, sharded
+from minifabric.checkpoint import commit, full, rng, sharded
+from minifabric.checkpoint.comm import Comm
 from minifabric.checkpoint.errors import CheckpointError
+from minifabric.checkpoint.names import group_problems, is_named, parameter_names, to_indices
 from minifabric.checkpoint.state import is_stateful, kind_problems, optimizer_problems, validate
 from minifabric.checkpoint.tensors import TENSOR_REF, empty_target, equal, is_ref, map_tree, place
 from minifabric.strategies.rebind import optimizer_parameters
@@ -50,11 +52,12 @@ class Opened:
 
 def open_checkpoint(path: Path) -> Opened:
     """Read the metadata of the checkpoint at ``path`` (a sharded folder or one file)."""
-    if sharded.is_sharded(path):
-        meta, tree = sharded.read_side_record(path)
-        return Opened(path, meta, tree, sharded=True)
-    meta, tree = full.read_checkpoint(path)
-    return Opened(path, meta, tree, sharded=False)
+    found = commit.locate(path)
+    if found.is_dir():
+        meta, tree = sharded.read_side_record(found)
+        return Opened(found, meta, tree, sharded=True)
+    meta, tree = full.read_checkpoint(found)
+    return Opened(found, meta, tree, sharded=False)
 
 
 Resolver = Callable[[tuple], Any]
@@ -98,18 +101,38 @@ def materialize(opened: Opened, wanted: dict[str, Resolver], group: Any = None) 
 
 
 def check(opened: Opened, state: dict[str, Any], strict: bool) -> list[str]:
-    """Validate ``state`` against the checkpoint; return what ``strict=False`` tolerated."""
-    problems = kind_problems(state, opened.meta.get("kinds", {}))
-    for key, value in state.items():
-        if isinstance(value, Optimizer) and key in opened.tree:
-            problems += optimizer_problems(key, value, opened.tree[key])
-    if problems:
-        raise CheckpointError(
-            f"The checkpoint {str(opened.path)!r} does not match `state`: " + "; ".join(problems) + "."
-        )
+    """Validate ``state`` against the checkpoint; return what ``strict=False`` tolerated.
+
+    The modules' key and shape problems come first in the message: an optimizer mismatch is
+    usually their consequence. Named optimizer entries are mapped to the live optimizer's indices.
+
+    Raises:
+        CheckpointError: naming every problem; nothing has been changed.
+    """
     modules = {k: v.state_dict() for k, v in state.items() if isinstance(v, nn.Module)}
     available = {name: opened.tree.get(name) for name in opened.names()}
-    return validate(state, modules, available, strict)
+    problems, tolerated = validate(state, modules, available, strict, raise_=False)
+    problems += kind_problems(state, opened.meta.get("kinds", {}))
+    live_modules = [v for v in state.values() if isinstance(v, nn.Module)]
+    for key, value in state.items():
+        if not isinstance(value, Optimizer) or key not in opened.tree:
+            continue
+        saved = opened.tree[key]
+        if is_named(saved):
+            names = parameter_names(value, live_modules)
+            found = group_problems(key, saved, value, names)
+            if not found and names is not None:
+                opened.tree[key] = to_indices(saved, names)
+            problems += found
+        else:
+            problems += optimizer_problems(key, value, saved)
+    if problems:
+        keys_only = strict and tolerated and not any(p.startswith("shape") for p in problems)
+        fix = " Pass `strict=False` to load the matching keys only." if keys_only else ""
+        raise CheckpointError(
+            f"The checkpoint {str(opened.path)!r} does not match `state`: " + " | ".join(problems) + "." + fix
+        )
+    return tolerated
 
 
 def _restore_per_rank(opened: Opened, state: dict[str, Any], rank: int, world_size: int) -> None:
@@ -154,17 +177,36 @@ def _leftover(opened: Opened, name: str, materialized: dict[str, Any], rank: int
     return records[rank if len(records) == world_size else 0]["stateful"][name]
 
 
-def load(
-    strategy: Strategy, path: Path, state: dict[str, Any], strict: bool = True, group: Any = None
-) -> dict[str, Any]:
+def load(strategy: Strategy, path: Path, state: dict[str, Any], strict: bool, comm: Comm) -> dict[str, Any]:
     """Restore ``state`` in place from the checkpoint at ``path``; return the entries it did not ask for.
 
+    Collective. Opening and checking, then reading the tensors, each end with an agreement of all
+    ranks; only after both succeeded everywhere is anything applied.
+
     Raises:
-        CheckpointError: the path is no committed checkpoint, or it does not match ``state``
-            (nothing has been changed then).
+        CheckpointError: on every rank, if on any rank the path is no committed checkpoint, does not
+            match ``state`` or cannot be read (nothing has been changed then).
     """
-    opened = open_checkpoint(path)
-    tolerated = check(opened, state, strict)
+    context = f"Loading the checkpoint {str(path)!r} failed"
+    outcome = "; nothing was changed."
+    error = None
+    try:
+        opened = open_checkpoint(path)
+        tolerated = check(opened, state, strict)
+    except Exception as err:
+        error = err
+    comm.agree(error, context, outcome)
+    error = None
+    try:
+        materialized = _read(opened, state, comm.group)
+    except BaseException as err:  # DCP's CheckpointException derives from BaseException
+        error = err
+    comm.agree(error, context, outcome)
+    return _apply(strategy, opened, state, materialized, tolerated, strict)
+
+
+def _read(opened: Opened, state: dict[str, Any], group: Any) -> dict[str, Any]:
+    """Every module and optimizer entry (and DTensor values) read into fresh tensors laid out like the live ones."""
     wanted: dict[str, Resolver] = {}
     for key, value in state.items():
         if isinstance(value, (nn.Module, Optimizer)) and key in opened.tree:
@@ -173,10 +215,27 @@ def load(
                 live = value.state_dict()
                 opened.tree[key] = {k: v for k, v in opened.tree[key].items() if k in live}
     kinds = opened.meta.get("kinds", {})
-    leftovers = [k for k in opened.tree if k not in state]
-    wanted.update({k: _resolver(None) for k in leftovers if kinds.get(k) in ("module", "optimizer")})
-    materialized = materialize(opened, wanted, group)
+    for key in opened.tree:
+        if key not in wanted and (kinds.get(key) in ("module", "optimizer") or _has_refs(opened.tree[key])):
+            wanted[key] = _resolver(state.get(key))
+    return materialize(opened, wanted, group)
 
+
+def _has_refs(tree: Any) -> bool:
+    found: list[bool] = []
+    map_tree(tree, lambda path, leaf: found.append(is_ref(leaf)))
+    return any(found)
+
+
+def _apply(
+    strategy: Strategy,
+    opened: Opened,
+    state: dict[str, Any],
+    materialized: dict[str, Any],
+    tolerated: list[str],
+    strict: bool,
+) -> dict[str, Any]:
+    path = opened.path
     for key, value in state.items():
         if key not in opened.tree:
             continue
@@ -185,7 +244,7 @@ def load(
         elif isinstance(value, Optimizer):
             strategy.load_optimizer_state_dict(value, materialized[key])
         elif not is_stateful(value):
-            state[key] = opened.tree[key]
+            state[key] = materialized.get(key, opened.tree[key])
     if opened.ranks:
         _restore_per_rank(opened, state, strategy.global_rank, strategy.world_size)
     if tolerated:

@@ -2,8 +2,8 @@
 
 ``save`` gathers what to write on the calling thread (state dicts, each rank's RNG and stateful
 states). For an asynchronous save a background thread then copies every tensor to CPU (the next
-``optimizer.step()`` waits for that copy) and writes and commits the copy over the checkpoint's own
-gloo group, while training goes on. A later save or load waits
+``optimizer.step()``, and the next forward of a module with buffers, wait for that copy) and writes
+and commits the copy over the checkpoint's own gloo group, while training goes on. A later save or load waits
 for that write first; the thread is not a daemon, so the interpreter also waits for it at exit.
 """
 
@@ -14,14 +14,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torch.optim import Optimizer
-from torch.utils.hooks import RemovableHandle
+from torch import nn
 
-from minifabric.checkpoint import full, restore, rng, sharded
+from minifabric._torch import hold_state_changes
+from minifabric.checkpoint import commit, full, restore, rng, sharded
 from minifabric.checkpoint.comm import Comm
 from minifabric.checkpoint.errors import CheckpointError
 from minifabric.checkpoint.hf.ties import tied_groups
-from minifabric.checkpoint.state import FORMAT_KEY, FORMAT_VERSION, collect, kinds
+from minifabric.checkpoint.state import FORMAT_KEY, FORMAT_VERSION, collect, kinds, refuse_unloadable
 from minifabric.checkpoint.tensors import stage
 
 if TYPE_CHECKING:
@@ -70,7 +70,12 @@ class SaveHandle:
 
 
 class Checkpointer:
-    """Saves and loads checkpoints for one strategy (the format follows ``strategy.state_dict_type``)."""
+    """Saves and loads checkpoints for one strategy (the format follows ``strategy.state_dict_type``).
+
+    Every phase of a save or load ends with an agreement between the ranks (:meth:`Comm.agree`): an
+    exception on any rank makes every rank raise the same :class:`CheckpointError`, the staging
+    folder is removed, and nothing is committed or applied.
+    """
 
     def __init__(self, strategy: Strategy) -> None:
         self._strategy = strategy
@@ -78,8 +83,8 @@ class Checkpointer:
         self._pending: SaveHandle | None = None
         # CPU copies of the last asynchronous save, reused by the next one (one model copy in RAM).
         self._buffers: dict[str, Any] = {}
-        # step pre-hooks that hold optimizers back until an asynchronous save has copied the state
-        self._hooks: list[RemovableHandle] = []
+        # hooks that hold optimizer steps and buffer-updating forwards until an async save has copied
+        self._hooks: list[Any] = []
 
     @property
     def comm(self) -> Comm:
@@ -102,66 +107,105 @@ class Checkpointer:
     def save(self, path: Path, state: dict[str, Any], *, asynchronous: bool = False) -> SaveHandle | None:
         """Write ``state`` to ``path`` (collective: every rank calls it)."""
         self.wait()
-        comm = self.comm
-        form = self._strategy.state_dict_type
+        comm, strategy = self.comm, self._strategy
+        form = strategy.state_dict_type
         if form not in ("full", "sharded"):
             raise ValueError(f'state_dict_type={form!r} is not supported. Use "sharded" or "full".')
-        if form == "sharded":
-            staging = sharded.prepare(comm, path)
-        else:
-            full.check_target(comm, path)
+        context = f"Saving the checkpoint {str(path)!r} failed"
+        outcome = "; the previous checkpoint at that path is intact."
         entry_kinds = kinds(state)
-        collected = collect(self._strategy, state)
-        record = {
-            "rng": rng.capture(),
-            "stateful": {k: collected.pop(k) for k, kind in entry_kinds.items() if kind == "stateful"},
-        }
-        meta = {
-            "version": FORMAT_VERSION,
-            "format": form,
-            "world_size": comm.world_size,
-            "kinds": entry_kinds,
-            "tied": {k: tied_groups(v) for k, v in state.items() if entry_kinds[k] == "module"},
-            "ranks": comm.gather(record),
-        }
-        if form == "sharded":
-            tree, tensors = sharded.split_entries(collected, entry_kinds)
-            side = {FORMAT_KEY: meta, "state": tree} if comm.is_zero else None
-            if not asynchronous:
-                sharded.write(comm, path, staging, side, tensors)
-                return None
-            side = stage(side)
-            write = self._staged_write(state, tensors, lambda t: sharded.write(comm, path, staging, side, t))
-        else:
-            payload = {FORMAT_KEY: meta, "state": collected} if comm.is_zero else None
-            if not asynchronous:
-                full.write(comm, path, payload)
-                return None
-            write = self._staged_write(state, payload, lambda p: full.write(comm, path, p))
-        self._pending = SaveHandle(path, write)
+        staging: commit.Staging | None = None
+
+        def agree(error: BaseException | None) -> None:
+            try:
+                comm.agree(error, context, outcome)
+            except CheckpointError:
+                if staging is not None:
+                    commit.abort(staging)
+                comm.barrier()  # every rank raises once the staging folder is gone
+                raise
+
+        # 1. local checks, no collectives: the target (rank 0), the values, stateful objects' states
+        error, record = None, None
+        try:
+            if comm.is_zero:
+                if form == "sharded":
+                    staging = sharded.prepare(path)
+                elif message := full.writable_file_error(path):
+                    raise CheckpointError(message)
+            stateful = {k: state[k].state_dict() for k, kind in entry_kinds.items() if kind == "stateful"}
+            values = {f"state[{k!r}]": v for k, v in state.items() if entry_kinds[k] == "value"}
+            values.update({f"state[{k!r}].state_dict()": v for k, v in stateful.items()})
+            refuse_unloadable(values)
+            record = {"rng": rng.capture(), "stateful": stateful}
+        except Exception as err:
+            error = err
+        agree(error)
+        work = comm.broadcast(staging.work if staging is not None else None)
+
+        # 2. state dicts (collective under FSDP with a full checkpoint)
+        error, payload = None, None
+        try:
+            collected = collect(strategy, state, record["stateful"])  # type: ignore[index]
+            meta = {
+                "version": FORMAT_VERSION,
+                "format": form,
+                "world_size": comm.world_size,
+                "kinds": entry_kinds,
+                "tied": {k: tied_groups(v) for k, v in state.items() if entry_kinds[k] == "module"},
+                "ranks": comm.gather(record),
+            }
+            if form == "sharded":
+                tree, tensors = sharded.split_entries(collected, entry_kinds)
+                payload = (tensors, {FORMAT_KEY: meta, "state": tree} if comm.is_zero else None)
+            else:
+                payload = (None, {FORMAT_KEY: meta, "state": collected} if comm.is_zero else None)
+        except Exception as err:
+            error = err
+        agree(error)
+
+        # 3. write every rank's part, agree, then commit (rank 0) and agree
+        def write(staged: tuple[Any, Any]) -> None:
+            tensors, side = staged
+            error = None
+            try:
+                if form == "sharded":
+                    sharded.write_shards(comm, Path(work), tensors)
+                elif comm.is_zero:
+                    full.write_atomic(path, side)
+                    commit.remove_stale(path)  # what an interrupted save left next to it
+            except BaseException as err:  # DCP's CheckpointException derives from BaseException
+                error = err
+            agree(error)
+            error = None
+            try:
+                if form == "sharded" and staging is not None:
+                    sharded.commit_side(staging, side, comm.world_size)
+            except Exception as err:
+                error = err
+            agree(error)
+
+        if not asynchronous:
+            write(payload)  # type: ignore[arg-type]
+            return None
+        self._pending = SaveHandle(path, self._staged_write(state, payload, write))
         return self._pending
 
     def _staged_write(
-        self, state: dict[str, Any], tensors: Any, write: Callable[[Any], None]
+        self, state: dict[str, Any], payload: Any, write: Callable[[Any], None]
     ) -> Callable[[], None]:
         """The background job of an asynchronous save: copy the tensors to CPU, then write the copy.
 
-        The copy is taken on the background thread too, so ``save`` returns at once. Forward and
-        backward only read parameters and optimizer state; ``optimizer.step()`` changes them in place,
-        so until the copy is complete every optimizer in ``state`` waits for it before stepping.
+        The copy is taken on the background thread too, so ``save`` returns at once. Until it is
+        complete, every optimizer step and the forward of every module in ``state`` that holds
+        buffers (BatchNorm statistics) waits for it: the checkpoint is the state at the call.
         """
         copied = threading.Event()
-
-        def hold_step(*_: Any) -> None:
-            copied.wait()
-
-        for obj in state.values():
-            if isinstance(obj, Optimizer):
-                self._hooks.append(obj.register_step_pre_hook(hold_step))
+        self._hooks += hold_state_changes(copied, [v for v in state.values() if isinstance(v, nn.Module)])
 
         def job() -> None:
             try:
-                staged = stage(tensors, self._buffers)
+                staged = stage(payload, self._buffers)
             finally:
                 copied.set()
             write(staged)
@@ -171,5 +215,4 @@ class Checkpointer:
     def load(self, path: Path, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
         """Restore ``state`` in place from ``path``; return the entries it did not ask for."""
         self.wait()
-        group = self.comm.group
-        return restore.load(self._strategy, path, state, strict=strict, group=group)
+        return restore.load(self._strategy, path, state, strict=strict, comm=self.comm)

@@ -1,6 +1,6 @@
 """The sharded format: a folder of torch Distributed Checkpoint (DCP) shards plus a side record.
 
-Layout of a committed checkpoint folder::
+Layout of a committed version folder (``commit.py`` says how versions are committed in ``path``)::
 
     __0_0.distcp, __1_0.distcp, ...   each rank's shard of every module and optimizer tensor (DCP)
     .metadata                         DCP's index of the shards
@@ -15,8 +15,8 @@ only DCP's own metadata classes.
 
 from __future__ import annotations
 
+import os
 import pickle
-import shutil
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from minifabric.checkpoint import commit
-from minifabric.checkpoint.comm import Comm
+from minifabric.checkpoint.comm import Comm, describe
 from minifabric.checkpoint.errors import CheckpointError
 from minifabric.checkpoint.state import FORMAT_KEY
 from minifabric.checkpoint.tensors import split
@@ -71,18 +71,6 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
-def describe_failure(err: BaseException) -> str:
-    """Each failing rank's cause from DCP's ``CheckpointException`` (or the error itself)."""
-    failures = getattr(err, "failures", None)
-    if isinstance(failures, dict) and failures:
-        parts = []
-        for rank, failure in sorted(failures.items()):
-            cause = failure[0] if isinstance(failure, tuple) else failure
-            parts.append(f"rank {rank}: {type(cause).__name__}: {cause}")
-        return "; ".join(parts)
-    return f"{type(err).__name__}: {err}"
-
-
 @contextmanager
 def _without_crc32() -> Iterator[None]:
     """Skip the CRC32 that ``torch.save`` computes over every byte of a shard (about a third of the write time).
@@ -100,96 +88,56 @@ def _without_crc32() -> Iterator[None]:
         torch.serialization.set_crc32_options(previous)
 
 
-def prepare(comm: Comm, path: Path) -> Path:
-    """Rank 0 checks ``path`` and creates a staging folder next to it; every rank gets that folder."""
-    decision: tuple[str | None, Path | None] = (None, None)
-    if comm.is_zero:
-        error = commit.target_error(path)
-        if error is None:
-            try:
-                decision = (None, commit.make_staging(path))
-            except OSError as err:
-                decision = (f"Cannot create a staging folder next to {str(path)!r}: {err}", None)
-        else:
-            decision = (error, None)
-    error, staging = comm.broadcast(decision)
+def prepare(path: Path) -> commit.Staging:
+    """Check ``path`` and create a staging folder for it (rank 0; the caller shares the outcome)."""
+    error = commit.target_error(path)
     if error:
         raise CheckpointError(error)
-    return Path(staging)
+    try:
+        return commit.make_staging(path)
+    except OSError as err:
+        raise CheckpointError(f"Cannot create a staging folder for {str(path)!r}: {err}") from err
 
 
 def split_entries(
     collected: dict[str, Any], kinds: dict[str, str]
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Module and optimizer tensors go to DCP (by reference); everything else stays in the record."""
+    """Module and optimizer tensors, and DTensors anywhere, go to DCP (by reference); the rest stays in the record.
+
+    A DTensor among plain values (e.g. ``acc.save(path, model.state_dict())`` under FSDP) is thus
+    saved whole, each rank writing its shard, instead of rank 0's shard alone.
+    """
     tree: dict[str, Any] = {}
     tensors: dict[str, torch.Tensor] = {}
     for key, value in collected.items():
-        if kinds[key] in ("module", "optimizer"):
-            tree[key], found = split(key, value)
-            tensors.update(found)
-        else:
-            tree[key] = value
+        everything = kinds[key] in ("module", "optimizer")
+        tree[key], found = split(key, value, only_dtensors=not everything)
+        tensors.update(found)
     return tree, tensors
 
 
-def write(
-    comm: Comm, path: Path, staging: Path, side: dict[str, Any] | None, tensors: dict[str, torch.Tensor]
-) -> None:
-    """Write every rank's shard, then (rank 0) the side record, the commit record, and swap into place.
-
-    Collective over ``comm``. On failure every rank raises the same :class:`CheckpointError` and
-    ``path`` still holds the previous checkpoint.
-    """
-    try:
-        commit.fault("before_shard", comm.rank)
-        with warnings.catch_warnings():
-            warnings.filterwarnings(
-                "ignore", message=".*assuming the intent is to save in a single process.*"
-            )
-            writer = FileSystemWriter(staging)
-            with _without_crc32():
-                dcp.save(
-                    tensors, storage_writer=writer, process_group=comm.group, no_dist=not comm.distributed
-                )
-        commit.fault("after_shard", comm.rank)
-        # Every rank confirms it is still alive after its shard: DCP's own completion step ran
-        # before that, and a rank lost now must not be committed as a finished save.
-        comm.all_gather(True)
-    except BaseException as err:  # DCP's CheckpointException derives from BaseException
-        if isinstance(err, KeyboardInterrupt):
-            raise
-        if comm.is_zero:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise CheckpointError(
-            f"Saving the checkpoint {str(path)!r} failed ({describe_failure(err)}); the previous checkpoint"
-            " at that path is intact."
-        ) from err
-    error = _commit(comm, path, staging, side) if comm.is_zero else None
-    error = comm.broadcast(error)
-    if error:
-        raise CheckpointError(error)
+def write_shards(comm: Comm, work: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Every rank writes its shard of ``tensors`` into the staging folder ``work`` (collective, DCP)."""
+    commit.fault("before_shard", comm.rank)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
+        writer = FileSystemWriter(work)
+        with _without_crc32():
+            dcp.save(tensors, storage_writer=writer, process_group=comm.group, no_dist=not comm.distributed)
+    commit.fault("after_shard", comm.rank)
 
 
-def _commit(comm: Comm, path: Path, staging: Path, side: dict[str, Any] | None) -> str | None:
-    try:
-        with open(staging / commit.SIDE_RECORD, "wb") as f:
-            torch.save(side, f)
-            f.flush()
-            commit.fsync_path(staging / commit.SIDE_RECORD)
-        commit.fault("before_commit", comm.rank)
-        commit.write_record(staging, comm.world_size)
-        commit.fault("after_commit_record", comm.rank)
-        commit.swap_into_place(staging, path, comm.rank)
-        commit.remove_stale(path)
-    except OSError as err:
-        shutil.rmtree(staging, ignore_errors=True)
-        return f"Committing the checkpoint {str(path)!r} failed ({err}); the previous checkpoint at that path is intact."
-    return None
+def commit_side(staging: commit.Staging, side: dict[str, Any], world_size: int) -> None:
+    """Write the side record into the staging folder, then commit it (rank 0, after every shard)."""
+    with open(staging.work / commit.SIDE_RECORD, "wb") as f:
+        torch.save(side, f)
+        f.flush()
+        os.fsync(f.fileno())
+    commit.commit(staging, world_size)
 
 
 def read_side_record(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Verify the commit record of ``path`` and return the side record's ``(meta, tree)``."""
+    """Verify the committed version folder ``path`` and return its side record's ``(meta, tree)``."""
     commit.verify(path)
     try:
         data = torch.load(path / commit.SIDE_RECORD, map_location="cpu", weights_only=True)
@@ -219,22 +167,15 @@ def read_tensors(path: Path, targets: dict[str, torch.Tensor], group: Any = None
     except BaseException as err:  # DCP's CheckpointException derives from BaseException
         if isinstance(err, KeyboardInterrupt):
             raise
-        raise CheckpointError(
-            f"Reading the tensors of {str(path)!r} failed: {describe_failure(err)}"
-        ) from err
-
-
-def is_sharded(path: Path) -> bool:
-    """Whether ``path`` names a sharded checkpoint (a folder), as opposed to a one-file checkpoint."""
-    return path.is_dir() or (not path.exists() and not path.suffix)
+        raise CheckpointError(f"Reading the tensors of {str(path)!r} failed: {describe(err)}") from err
 
 
 __all__ = [
     "SafeReader",
-    "is_sharded",
+    "commit_side",
     "prepare",
     "read_side_record",
     "read_tensors",
     "split_entries",
-    "write",
+    "write_shards",
 ]

@@ -7,13 +7,17 @@ tensors and plain values. These helpers are shared by every checkpoint format.
 from __future__ import annotations
 
 import difflib
+import io
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from minifabric.checkpoint.errors import CheckpointError
-from minifabric.checkpoint.tensors import shape_of
+from minifabric.checkpoint.errors import CheckpointError, UnsaveableValueError
+from minifabric.checkpoint.names import parameter_names, to_names
+from minifabric.checkpoint.tensors import gather_full, shape_of
 
 if TYPE_CHECKING:
     from minifabric.strategies.strategy import Strategy
@@ -29,19 +33,101 @@ def is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-def collect(strategy: Strategy, state: dict[str, Any]) -> dict[str, Any]:
-    """The saveable form of ``state``: state dicts for stateful objects, values as they are."""
+def collect(strategy: Strategy, state: dict[str, Any], stateful: dict[str, Any]) -> dict[str, Any]:
+    """The saveable form of ``state`` (collective): module and optimizer state dicts, values as they are.
+
+    Optimizer state is keyed by parameter name where the module it updates is in ``state``.
+    ``stateful`` holds the state dicts of the other stateful objects, already taken.
+    """
+    modules = [v for v in state.values() if isinstance(v, nn.Module)]
     out: dict[str, Any] = {}
     for key, value in state.items():
         if isinstance(value, nn.Module):
             out[key] = strategy.module_state_dict(value)
         elif isinstance(value, Optimizer):
-            out[key] = strategy.optimizer_state_dict(value)
-        elif is_stateful(value):
-            out[key] = value.state_dict()
+            names = parameter_names(value, modules)
+            state_dict = strategy.optimizer_state_dict(value)
+            out[key] = to_names(state_dict, names) if names is not None else state_dict
+        elif key in stateful:
+            out[key] = stateful[key]
+        elif strategy.state_dict_type == "full":  # DTensors among plain values: saved whole
+            out[key] = gather_full(value, keep=strategy.is_global_zero)
         else:
             out[key] = value
     return out
+
+
+_PLAIN = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    torch.dtype,
+    torch.device,
+    torch.Size,
+    torch.Tensor,
+)
+_CONTAINERS = (dict, OrderedDict, list, tuple, set, frozenset)
+
+
+def _reads_back(value: Any) -> bool:
+    """Whether ``torch.load(weights_only=True)`` reads ``value`` back (tried in memory)."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(value, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception:
+        return False
+    return True
+
+
+def _fix(value: Any) -> str:
+    name = type(value).__name__
+    if name == "Namespace":
+        return "`vars(args)` turns an argparse.Namespace into a dict"
+    if callable(value):
+        return "store its name or settings instead of the function or object itself"
+    return (
+        "convert it to plain values (a dict of numbers, strings, lists and tensors, e.g."
+        " `dataclasses.asdict(x)`), or give its class `state_dict()` and `load_state_dict()`"
+    )
+
+
+def refuse_unloadable(values: dict[str, Any]) -> None:
+    """Refuse a value that ``load`` could not read back, before anything is written.
+
+    ``values`` maps how to name each value in a message (``"state['args']"``) to the value.
+
+    Checkpoints are read with ``torch.load(weights_only=True)``, which admits tensors, Python
+    primitives and containers of them, and no other class.
+
+    Raises:
+        UnsaveableValueError: naming the first such value (``state['args']``) and the fix.
+    """
+
+    def walk(where: str, value: Any) -> None:
+        if type(value) in _CONTAINERS:
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    walk(f"{where}[{k!r}]", k)
+                    walk(f"{where}[{k!r}]", v)
+            else:
+                for i, v in enumerate(value):
+                    walk(f"{where}[{i}]", v)
+        elif not isinstance(value, _PLAIN) and not _reads_back(value):
+            raise UnsaveableValueError(
+                f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which `load` could not"
+                " read back (checkpoints are read with `torch.load(weights_only=True)`, which admits"
+                f" tensors and plain Python values only). Nothing was written. Fix: {_fix(value)},"
+                " e.g. `state['args'] = vars(args)`."
+            )
+
+    for where, value in values.items():
+        walk(where, value)
 
 
 def _hint(key: str, candidates: list[str]) -> str:
@@ -71,11 +157,13 @@ def validate(
     expected_modules: dict[str, dict[str, Any]],
     loaded: dict[str, Any],
     strict: bool,
-) -> list[str]:
+    raise_: bool = True,
+) -> Any:
     """Check the checkpoint against what ``state`` asks for before anything is changed.
 
     ``expected_modules`` maps each module entry of ``state`` to its current state dict (shapes are
-    the full, unsharded ones). Returns the keys tolerated under ``strict=False``.
+    the full, unsharded ones). Returns the keys tolerated under ``strict=False`` (with
+    ``raise_=False``: the list of problems and those keys).
 
     Raises:
         CheckpointError: missing entries or keys (strict), or any shape mismatch.
@@ -97,6 +185,8 @@ def validate(
         problems.append("in the checkpoint but not in the model: " + ", ".join(unexpected_keys))
     if shapes:
         problems.append("shape mismatch: " + "; ".join(shapes))
+    if not raise_:
+        return problems, missing + unexpected_keys
     if problems:
         fix = " Pass `strict=False` to load the matching keys only." if not shapes else ""
         raise CheckpointError("The checkpoint does not match `state`: " + " | ".join(problems) + "." + fix)

@@ -53,12 +53,12 @@ def map_tree(tree: Any, fn: Callable[[tuple, Any], Any], path: tuple = ()) -> An
     return fn(path, tree)
 
 
-def split(prefix: str, tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
-    """Replace every tensor in ``tree`` by a reference; return the new tree and ``{key: tensor}``."""
+def split(prefix: str, tree: Any, only_dtensors: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Replace every tensor (or only every DTensor) in ``tree`` by a reference; return the new tree and ``{key: tensor}``."""
     tensors: dict[str, torch.Tensor] = {}
 
     def take(path: tuple, leaf: Any) -> Any:
-        if not isinstance(leaf, torch.Tensor):
+        if not isinstance(leaf, DTensor if only_dtensors else torch.Tensor):
             return leaf
         key = "/".join(map(str, (prefix, *path)))
         tensors[key] = leaf

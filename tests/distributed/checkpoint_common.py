@@ -100,6 +100,14 @@ def assert_same(a: Any, b: Any, where: str = "") -> None:
         assert a == b, (where, a, b)
 
 
+def committed_digest(path: Path) -> dict[str, str]:
+    """sha256 of what a checkpoint at ``path`` loads from: the pointer and the version it names."""
+    from minifabric.checkpoint.commit import locate
+
+    version = locate(path)
+    return {"pointer": version.name, **tree_digest(version)}
+
+
 def tree_digest(path: Path) -> dict[str, str]:
     """sha256 of every file under ``path`` (a checkpoint folder), by relative name."""
     return {

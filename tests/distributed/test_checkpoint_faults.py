@@ -1,5 +1,5 @@
 """Crash safety: a rank killed (SIGKILL) at every step of a save, or out of disk space, never costs the
-previous checkpoint, and the interrupted save is refused."""
+previous checkpoint, and the interrupted save is refused. A failure on one rank is agreed by all."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from minifabric.checkpoint.commit import FAULT_ENV
 from tests.distributed.checkpoint_common import (
     Net,
     accelerator,
+    committed_digest,
     run_ranks,
     setup,
     snapshot,
     train,
-    tree_digest,
 )
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
@@ -35,7 +35,7 @@ def _kill_when_shard_appears(root: Path, rank: int) -> None:
 
     def watch() -> None:
         while True:
-            if any(root.glob(f".ckpt.partial-*/__{rank}_*.distcp")):
+            if any(root.glob(f"ckpt/.partial-*/__{rank}_*.distcp")):
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(0.0005)
 
@@ -53,7 +53,7 @@ def _save_twice(rank: int, root_name: str, fault: str) -> str | None:
     expected = snapshot(model, optimizer)
     if rank == 0:
         torch.save(expected, root / "expected.pt")
-        (root / "digest.json").write_text(json.dumps(tree_digest(root / "ckpt")))
+        (root / "digest.json").write_text(json.dumps(committed_digest(root / "ckpt")))
     acc.barrier()
     train(acc, model, optimizer, scheduler, 1)
     state["step"] = 2
@@ -82,6 +82,8 @@ def _plain() -> tuple[Accelerator, dict]:
     return acc, {"model": model, "optimizer": optimizer, "big": torch.nn.Linear(1024, 1024), "step": 0}
 
 
+# Every point of an overwriting save where a kill leaves the previous checkpoint, in order; then
+# the points after the pointer was replaced, which leave the new one.
 KILLS = [
     "before_shard:1",
     "during",
@@ -89,14 +91,17 @@ KILLS = [
     "after_shard:0",
     "before_commit:0",
     "after_commit_record:0",
+    "after_rename:0",
+    "after_pointer_tmp:0",
 ]
+KILLS_AFTER_COMMIT = ["after_pointer:0", "after_cleanup:0"]
 
 
 @pytest.mark.parametrize("fault", KILLS)
 def test_killed_rank_leaves_previous_checkpoint_intact(tmp_path: Path, fault: str) -> None:
     with pytest.raises((RuntimeError, AssertionError)):
         run_ranks(_save_twice, 2, str(tmp_path), fault)
-    assert tree_digest(tmp_path / "ckpt") == json.loads((tmp_path / "digest.json").read_text())
+    assert committed_digest(tmp_path / "ckpt") == json.loads((tmp_path / "digest.json").read_text())
     acc, state = _plain()
     with pytest.warns(UserWarning, match="saved by 2"):
         acc.load(tmp_path / "ckpt", state, strict=False)
@@ -104,32 +109,37 @@ def test_killed_rank_leaves_previous_checkpoint_intact(tmp_path: Path, fault: st
     for key, value in expected["model"].items():
         assert torch.equal(state["model"].state_dict()[key], value), key
     assert state["step"] == 1
-    for partial in tmp_path.glob(".ckpt.partial-*"):
+    for partial in (tmp_path / "ckpt").glob(".partial-*"):
         if not (partial / "COMMIT.json").exists():
             with pytest.raises(CheckpointError, match="interrupted save"):
                 acc.load(partial, state)
-    if fault == "after_commit_record:0":  # complete but never swapped in: still not at `path`
-        assert any((p / "COMMIT.json").exists() for p in tmp_path.glob(".ckpt.partial-*"))
     acc.strategy.state_dict_type = "sharded"
     acc.save(tmp_path / "ckpt", {"model": state["model"]})  # the next save clears the leftovers
-    assert not list(tmp_path.glob(".ckpt.partial-*"))
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "LATEST",
+        committed_digest(tmp_path / "ckpt")["pointer"],
+    ]
 
 
-def test_killed_after_swap_leaves_the_new_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fault", KILLS_AFTER_COMMIT)
+def test_killed_after_the_pointer_leaves_the_new_checkpoint(tmp_path: Path, fault: str) -> None:
     with pytest.raises((RuntimeError, AssertionError)):
-        run_ranks(_save_twice, 2, str(tmp_path), "after_swap:0")
+        run_ranks(_save_twice, 2, str(tmp_path), fault)
     acc, state = _plain()
     with pytest.warns(UserWarning, match="saved by 2"):
         acc.load(tmp_path / "ckpt", state)
     assert state["step"] == 2
+    acc.strategy.state_dict_type = "sharded"
+    acc.save(tmp_path / "ckpt", {"model": state["model"]})
+    assert len(list((tmp_path / "ckpt").iterdir())) == 2
 
 
 def test_disk_full_on_one_rank_fails_on_every_rank_and_keeps_previous(tmp_path: Path) -> None:
     messages = run_ranks(_save_twice, 2, str(tmp_path), "disk_full")
     for message in messages:
         assert "rank 1" in message and "File too large" in message and "previous checkpoint" in message
-    assert tree_digest(tmp_path / "ckpt") == json.loads((tmp_path / "digest.json").read_text())
-    assert not list(tmp_path.glob(".ckpt.partial-*"))
+    assert committed_digest(tmp_path / "ckpt") == json.loads((tmp_path / "digest.json").read_text())
+    assert not list((tmp_path / "ckpt").glob(".partial-*"))
     acc, state = _plain()
     with pytest.warns(UserWarning):
         acc.load(tmp_path / "ckpt", state)

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from minifabric import Accelerator
 from minifabric.checkpoint import CheckpointError, rng
+from minifabric.checkpoint.commit import locate
 
 
 class Small(nn.Module):
@@ -94,7 +95,7 @@ def test_failed_tensor_read_leaves_model_unchanged(tmp_path: Path) -> None:
     acc = _acc()
     model, optimizer = _trained(acc)
     acc.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer})
-    shard = next((tmp_path / "ckpt").glob("*.distcp"))
+    shard = next(locate(tmp_path / "ckpt").glob("*.distcp"))
     shard.write_bytes(b"\0" * shard.stat().st_size)  # same size: passes the commit record, fails to read
     fresh, fresh_opt = _trained(acc)
     with torch.no_grad():
@@ -138,13 +139,14 @@ def test_uncommitted_or_incomplete_folders_are_refused(tmp_path: Path) -> None:
     acc = _acc()
     model, _ = _trained(acc)
     acc.save(tmp_path / "ckpt", {"model": model})
-    (tmp_path / "ckpt" / "COMMIT.json").rename(tmp_path / "record.json")
+    version = locate(tmp_path / "ckpt")
+    (version / "COMMIT.json").rename(tmp_path / "record.json")
     with pytest.raises(CheckpointError, match="interrupted save"):
         acc.load(tmp_path / "ckpt", {"model": model})
     record = json.loads((tmp_path / "record.json").read_text())
-    (tmp_path / "record.json").rename(tmp_path / "ckpt" / "COMMIT.json")
+    (tmp_path / "record.json").rename(version / "COMMIT.json")
     shard = next(name for name in record["files"] if name.endswith(".distcp"))
-    (tmp_path / "ckpt" / shard).write_bytes(b"short")
+    (version / shard).write_bytes(b"short")
     with pytest.raises(CheckpointError, match=f"incomplete: {shard} has 5 bytes"):
         acc.load(tmp_path / "ckpt", {"model": model})
     with pytest.raises(CheckpointError, match="does not exist"):
@@ -155,8 +157,6 @@ def test_path_errors_come_before_anything_is_written(tmp_path: Path) -> None:
     acc = _acc()
     model, _ = _trained(acc)
     (tmp_path / "file").write_text("x")
-    with pytest.raises(CheckpointError, match="it is a file"):
-        acc.save(tmp_path / "file", {"model": model})
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "keep.txt").write_text("x")
     with pytest.raises(CheckpointError, match="holds no minifabric checkpoint"):
@@ -170,6 +170,27 @@ def test_path_errors_come_before_anything_is_written(tmp_path: Path) -> None:
     assert (tmp_path / "file").read_text() == "x"
 
 
+def test_a_sharded_save_replaces_a_one_file_checkpoint_and_survives_a_crash_between(tmp_path: Path) -> None:
+    acc = _acc("full")
+    model, _ = _trained(acc)
+    path = tmp_path / "ckpt.pt"
+    acc.save(path, {"model": model, "step": 1})
+    acc.strategy.state_dict_type = "sharded"
+    acc.save(path, {"model": model, "step": 2})
+    assert path.is_dir() and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
+    state = {"model": Small(), "step": 0}
+    acc.load(path, state)
+    assert state["step"] == 2 and torch.equal(state["model"].head.weight, model.head.weight)
+    # a crash after the file was moved aside, before the folder took its place: the file still loads
+    aside = tmp_path / ".other.pt.previous-0123abcd"
+    acc.strategy.state_dict_type = "full"
+    acc.save(aside, {"model": model, "step": 3})
+    acc.load(tmp_path / "other.pt", state)
+    assert state["step"] == 3
+    acc.save(tmp_path / "other.pt", {"model": model, "step": 4})  # the next save clears it
+    assert not aside.exists()
+
+
 class _Boom:
     def __reduce__(self):
         return (print, ("code ran",))
@@ -179,11 +200,12 @@ def test_metadata_that_would_run_code_is_refused(tmp_path: Path, capsys: pytest.
     acc = _acc()
     model, _ = _trained(acc)
     acc.save(tmp_path / "ckpt", {"model": model})
-    metadata = tmp_path / "ckpt" / ".metadata"
+    version = locate(tmp_path / "ckpt")
+    metadata = version / ".metadata"
     metadata.write_bytes(pickle.dumps(_Boom()))
-    record = json.loads((tmp_path / "ckpt" / "COMMIT.json").read_text())
+    record = json.loads((version / "COMMIT.json").read_text())
     record["files"][".metadata"] = metadata.stat().st_size
-    (tmp_path / "ckpt" / "COMMIT.json").write_text(json.dumps(record))
+    (version / "COMMIT.json").write_text(json.dumps(record))
     with pytest.raises(CheckpointError, match="not allowed"):
         acc.load(tmp_path / "ckpt", {"model": model})
     assert "code ran" not in capsys.readouterr().out
