@@ -8,6 +8,7 @@ check_torch_version()
 
 from minifabric.accelerator import Accelerator  # noqa: E402
 from minifabric.checkpoint.errors import CheckpointError  # noqa: E402
+from minifabric.checkpoint.periodic import latest_checkpoint  # noqa: E402
 from minifabric.precision import MixedPrecision, Precision, TruePrecision  # noqa: E402
 from minifabric.seed import seed_everything  # noqa: E402
 from minifabric.strategies import DDPStrategy, SingleDeviceStrategy, Strategy, wrap  # noqa: E402
@@ -32,6 +33,7 @@ __all__ = [
     "TruePrecision",
     "estimate_memory",
     "export_safetensors",
+    "latest_checkpoint",
     "seed_everything",
     "wrap",
 ]

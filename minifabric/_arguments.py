@@ -52,8 +52,14 @@ def unwrap_state(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def check_state(state: Any) -> None:
-    """Validate a ``state`` dict passed to ``save``/``load``."""
+def check_state(state: Any, keep_last: Any = None) -> None:
+    """Validate a ``state`` dict passed to ``save``/``load`` (and ``save``'s ``keep_last``)."""
+    if keep_last is not None and (
+        not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1
+    ):
+        raise ValueError(
+            f"keep_last must be a positive int or None, got {keep_last!r}; e.g. `acc.save(path, state, keep_last=3)`."
+        )
     if not isinstance(state, dict):
         raise TypeError(
             f"state must be a dict of names to objects, got {type(state).__name__}. Example:"

@@ -465,6 +465,7 @@ class Accelerator:
         *,
         asynchronous: bool = False,
         format: Literal["minifabric", "safetensors"] = "minifabric",
+        keep_last: int | None = None,
     ) -> Any:
         """Save ``state`` (modules, optimizers, stateful objects, tensors, plain values) to ``path``.
 
@@ -476,6 +477,8 @@ class Accelerator:
             path: a file (one-file checkpoints) or a folder (sharded, the default under FSDP).
             state: names to modules, optimizers, objects with ``state_dict()``, tensors and plain values.
             asynchronous: write in the background.
+            keep_last: once this checkpoint is committed, keep only the K newest of its series (siblings
+                named alike but for their digits, e.g. ``step-000100``); see ``latest_checkpoint``.
 
             format: ``"safetensors"`` writes the one model in ``state`` as a Hugging Face model folder
                 (``config.json`` and ``model.safetensors``; rank 0 writes, one tensor at a time).
@@ -483,7 +486,7 @@ class Accelerator:
         Returns:
             With ``asynchronous=True``, a handle whose ``.wait()`` blocks until the save is committed.
         """
-        check_state(state)
+        check_state(state, keep_last)
         if format == "safetensors":
             module = check_safetensors_state(state, asynchronous)
             return self._strategy.export_safetensors(Path(path), unwrap_state({"m": module})["m"])
@@ -491,7 +494,9 @@ class Accelerator:
             raise ValueError(
                 f'format={format!r} is unknown. Use "minifabric" (a checkpoint) or "safetensors".'
             )
-        return self._strategy.save_checkpoint(Path(path), unwrap_state(state), asynchronous=asynchronous)
+        return self._strategy.save_checkpoint(
+            Path(path), unwrap_state(state), asynchronous=asynchronous, keep_last=keep_last
+        )
 
     def load(
         self, path: str | os.PathLike, state: dict[str, Any] | None = None, strict: bool = True

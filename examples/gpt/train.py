@@ -8,7 +8,7 @@ The exact text depends on your Python version, so losses differ slightly between
 Run it (2 CPU processes, about a minute; the script starts the second process itself):
 
     python examples/gpt/train.py
-    python examples/gpt/train.py --resume                 # continue from out/gpt/checkpoint
+    python examples/gpt/train.py --resume                 # continue from the newest in out/gpt/checkpoints
     python examples/gpt/train.py --devices 1 --strategy single --precision 32-true
     python examples/gpt/train.py --n-layer 6 --n-embd 192 --max-steps 600   # bigger, longer
     python examples/gpt/train.py --compile                # torch.compile (~20-60 s cold start on CPU)
@@ -43,7 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from minifabric import Accelerator
+from minifabric import Accelerator, latest_checkpoint
 
 # ---- config: every default here is what `python examples/gpt/train.py` runs -------------------------
 parser = argparse.ArgumentParser(
@@ -174,7 +174,7 @@ acc.seed_everything(args.seed)
 if acc.device.type == "cpu":  # share the cores between the local processes instead of oversubscribing
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // acc.world_size))
 out_dir = Path(args.out_dir)
-ckpt_path = out_dir / "checkpoint"
+ckpt_dir = out_dir / "checkpoints"  # step-000050, step-000100, ...: the newest two are kept
 
 data = stdlib_bytes(args.data_bytes)
 split = int(0.9 * len(data))
@@ -245,8 +245,9 @@ acc.print(
     f" {eval_part} ({eval_chunks * args.block_size:,} bytes), at the end on all {len(val_set)}"
 )
 if args.resume:
-    if not ckpt_path.exists():
-        sys.exit(f"--resume: no checkpoint at {str(ckpt_path)!r}; run without --resume first.")
+    ckpt_path = latest_checkpoint(ckpt_dir)  # the newest committed one; an interrupted save never counts
+    if ckpt_path is None:
+        sys.exit(f"--resume: no checkpoint in {str(ckpt_dir)!r}; run without --resume first.")
     acc.load(ckpt_path, state)  # in place: model, optimizer, scheduler, data position; plus step, history
     acc.print(f"resumed from {ckpt_path} at step {state['step']}")
 history = state["history"]  # [(step, train loss, val loss or None)]
@@ -298,8 +299,9 @@ while step < args.max_steps:
     if step % args.ckpt_interval == 0 or stop:
         if pending is not None:
             pending.wait()  # one save in flight at a time
-        # the checkpoint at ckpt_path stays whole until this one is committed
-        pending = acc.save(ckpt_path, {**state, "step": step, "history": history}, asynchronous=True)
+        # older checkpoints are removed only once this one is committed
+        step_state = {**state, "step": step, "history": history}
+        pending = acc.save(ckpt_dir / f"step-{step:06d}", step_state, asynchronous=True, keep_last=2)
     if stop:
         acc.print(f"stopping at step {step}; continue with --resume")
         break

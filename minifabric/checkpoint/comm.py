@@ -37,11 +37,20 @@ class Comm:
         self.world_size = dist.get_world_size() if self.distributed else 1
         # new_group is itself a collective: every rank creates it here, in the same save call.
         self.group = dist.new_group(backend="gloo") if self.distributed else None
+        self._mesh: Any = None
 
     @property
     def is_zero(self) -> bool:
         """Whether this is global rank 0 (which decides paths and writes the commit record)."""
         return self.rank == 0
+
+    def mesh(self) -> Any:
+        """A one-dimensional CPU device mesh over the checkpoint group (for tensors read sharded)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if self._mesh is None:
+            self._mesh = DeviceMesh.from_group(self.group, "cpu")
+        return self._mesh
 
     def barrier(self) -> None:
         """Wait for every rank (on the checkpoint group)."""

@@ -107,6 +107,7 @@ class Staging:
     path: Path
     container: Path
     work: Path
+    created: bool  # the container did not exist before this save
 
     @property
     def replaces_file(self) -> bool:
@@ -117,14 +118,12 @@ class Staging:
 def make_staging(path: Path) -> Staging:
     """Create a fresh staging folder for a save to ``path`` (rank 0)."""
     token = uuid.uuid4().hex[:8]
-    if path.is_file():
-        container = path.parent / f".{path.name}{PARTIAL}{token}"
-    else:
-        container = path
+    container = path.parent / f".{path.name}{PARTIAL}{token}" if path.is_file() else path
+    created = not container.exists()
     container.mkdir(parents=True, exist_ok=True)
     work = container / f"{PARTIAL}{token}"
     work.mkdir()
-    return Staging(path, container, work)
+    return Staging(path, container, work, created)
 
 
 def fsync_path(path: Path) -> None:
@@ -191,7 +190,7 @@ def commit(staging: Staging, world_size: int, rank: int = 0) -> None:
 
 def abort(staging: Staging) -> None:
     """Remove a staging folder after a failed save (rank 0); the committed checkpoint is untouched."""
-    shutil.rmtree(staging.container if staging.replaces_file else staging.work, ignore_errors=True)
+    shutil.rmtree(staging.container if staging.created else staging.work, ignore_errors=True)
 
 
 def remove_stale(path: Path, keep: str | None = None) -> None:

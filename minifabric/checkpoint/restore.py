@@ -198,15 +198,19 @@ def load(strategy: Strategy, path: Path, state: dict[str, Any], strict: bool, co
     comm.agree(error, context, outcome)
     error = None
     try:
-        materialized = _read(opened, state, comm.group)
+        materialized = _read(opened, state, comm)
     except BaseException as err:  # DCP's CheckpointException derives from BaseException
         error = err
     comm.agree(error, context, outcome)
     return _apply(strategy, opened, state, materialized, tolerated, strict)
 
 
-def _read(opened: Opened, state: dict[str, Any], group: Any) -> dict[str, Any]:
-    """Every module and optimizer entry (and DTensor values) read into fresh tensors laid out like the live ones."""
+def _read(opened: Opened, state: dict[str, Any], comm: Comm) -> dict[str, Any]:
+    """Every module and optimizer entry (and DTensor values) read into fresh tensors laid out like the live ones.
+
+    Entries that ``state`` does not ask for are read sharded over the ranks (DTensors split on their
+    first dimension), so no rank holds them at full size.
+    """
     wanted: dict[str, Resolver] = {}
     for key, value in state.items():
         if isinstance(value, (nn.Module, Optimizer)) and key in opened.tree:
@@ -215,10 +219,11 @@ def _read(opened: Opened, state: dict[str, Any], group: Any) -> dict[str, Any]:
                 live = value.state_dict()
                 opened.tree[key] = {k: v for k, v in opened.tree[key].items() if k in live}
     kinds = opened.meta.get("kinds", {})
+    spread = comm.mesh() if opened.sharded and comm.distributed else None
     for key in opened.tree:
         if key not in wanted and (kinds.get(key) in ("module", "optimizer") or _has_refs(opened.tree[key])):
-            wanted[key] = _resolver(state.get(key))
-    return materialize(opened, wanted, group)
+            wanted[key] = _resolver(state.get(key)) if key in state or spread is None else lambda path: spread
+    return materialize(opened, wanted, comm.group)
 
 
 def _has_refs(tree: Any) -> bool:

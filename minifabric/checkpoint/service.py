@@ -10,6 +10,7 @@ for that write first; the thread is not a daemon, so the interpreter also waits 
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from minifabric._torch import hold_state_changes
-from minifabric.checkpoint import commit, full, restore, rng, sharded
+from minifabric.checkpoint import commit, full, periodic, restore, rng, sharded
 from minifabric.checkpoint.comm import Comm
 from minifabric.checkpoint.errors import CheckpointError
 from minifabric.checkpoint.hf.ties import tied_groups
@@ -104,8 +105,10 @@ class Checkpointer:
             for hook in hooks:
                 hook.remove()
 
-    def save(self, path: Path, state: dict[str, Any], *, asynchronous: bool = False) -> SaveHandle | None:
-        """Write ``state`` to ``path`` (collective: every rank calls it)."""
+    def save(
+        self, path: Path, state: dict[str, Any], *, asynchronous: bool = False, keep_last: int | None = None
+    ) -> SaveHandle | None:
+        """Write ``state`` to ``path`` (collective: every rank calls it); then apply ``keep_last`` retention."""
         self.wait()
         comm, strategy = self.comm, self._strategy
         form = strategy.state_dict_type
@@ -184,6 +187,13 @@ class Checkpointer:
             except Exception as err:
                 error = err
             agree(error)
+            if keep_last is not None and comm.is_zero:  # only now that the new one is committed
+                try:
+                    periodic.retain(path, keep_last)
+                except OSError as err:  # the save itself succeeded
+                    warnings.warn(
+                        f"Removing older checkpoints next to {str(path)!r} failed: {err}", stacklevel=2
+                    )
 
         if not asynchronous:
             write(payload)  # type: ignore[arg-type]

@@ -12,7 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import empty as dtensor_empty
 
 TENSOR_REF = "__tensor__"
 
@@ -68,8 +70,16 @@ def split(prefix: str, tree: Any, only_dtensors: bool = False) -> tuple[Any, dic
 
 
 def empty_target(ref: dict[str, Any], like: Any) -> torch.Tensor:
-    """A fresh tensor to load ``ref`` into: sharded like ``like`` when it is a DTensor of that shape."""
+    """A fresh tensor to load ``ref`` into: sharded like ``like`` when it is a DTensor of that shape.
+
+    With a ``DeviceMesh`` as ``like``, a DTensor split over it on the first dimension (replicated
+    when that dimension is shorter than the mesh).
+    """
     dtype = ref_dtype(ref)
+    if isinstance(like, DeviceMesh):
+        shape = list(ref["shape"])
+        placements = [Shard(0)] if shape and shape[0] >= like.size() else [Replicate()]
+        return dtensor_empty(shape, dtype=dtype, device_mesh=like, placements=placements)
     if isinstance(like, DTensor) and tuple(like.shape) == tuple(ref["shape"]):
         return torch.empty_like(like, dtype=dtype)
     return torch.empty(ref["shape"], dtype=dtype)

@@ -313,9 +313,11 @@ class Strategy:
         }
         optimizer.load_state_dict({**state_dict, "state": state})
 
-    def save_checkpoint(self, path: Path, state: dict[str, Any], *, asynchronous: bool = False) -> Any:
+    def save_checkpoint(
+        self, path: Path, state: dict[str, Any], *, asynchronous: bool = False, keep_last: int | None = None
+    ) -> Any:
         """Write ``state`` to ``path`` in the ``state_dict_type`` format; a handle if ``asynchronous``."""
-        handle = self.checkpointer.save(Path(path), state, asynchronous=asynchronous)
+        handle = self.checkpointer.save(Path(path), state, asynchronous=asynchronous, keep_last=keep_last)
         self.lifecycle.saving(Path(path), handle)
         return handle
 

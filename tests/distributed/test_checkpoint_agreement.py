@@ -184,3 +184,34 @@ def test_asynchronous_save_is_the_state_at_the_call(tmp_path: Path) -> None:
             assert torch.equal(result["loaded"][key], value), key
         assert not torch.equal(result["changed"]["1.running_mean"], result["expected"]["1.running_mean"])
         assert not torch.equal(result["changed"]["0.weight"], result["expected"]["0.weight"])
+
+
+def _subset(rank: int, root: str) -> dict:
+    acc = accelerator(2)
+    model, _, _ = setup(acc)
+    big = acc.setup(nn.Linear(256, 256))
+    big_opt = acc.setup_optimizers(torch.optim.AdamW(big.parameters()))
+    acc.backward(big(torch.randn(2, 256)).sum())
+    big_opt.step()
+    acc.save(f"{root}/ckpt", {"model": model, "big": big, "big_opt": big_opt})
+    rest = acc.load(f"{root}/ckpt", {"model": model})
+    tensors = [t for entry in rest.values() for t in _leaves(entry) if isinstance(t, torch.Tensor)]
+    local = sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in tensors)
+    whole = sum(t.numel() * t.element_size() for t in tensors)
+    exp_avg = rest["big_opt"]["state"]["weight"]["exp_avg"]
+    live = full(big_opt.state[big.weight]["exp_avg"])
+    return {"local": local, "whole": whole, "exp_avg": exp_avg.full_tensor(), "live": live}
+
+
+def _leaves(tree) -> list:
+    if isinstance(tree, dict):
+        return [leaf for value in tree.values() for leaf in _leaves(value)]
+    if isinstance(tree, (list, tuple)):
+        return [leaf for value in tree for leaf in _leaves(value)]
+    return [tree]
+
+
+def test_entries_not_asked_for_are_read_sharded_not_whole_on_every_rank(tmp_path: Path) -> None:
+    for result in run_ranks(_subset, 2, str(tmp_path)):
+        assert result["local"] < 0.55 * result["whole"], result  # about half per rank, not all of it
+        assert torch.equal(result["exp_avg"], result["live"])

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from minifabric import latest_checkpoint
 from tests.helpers import REPO, run_command
 
 pytestmark = pytest.mark.distributed
@@ -43,7 +44,7 @@ def test_tiny_run_and_bit_exact_resume(tmp_path):
 
     first = _run(tmp_path / "resumed", "--stop-at", "3")
     assert "stopping at step 3" in first
-    assert (tmp_path / "resumed" / "checkpoint" / "COMMIT.json").is_file()  # a committed sharded checkpoint
+    assert latest_checkpoint(tmp_path / "resumed" / "checkpoints").name == "step-000003"  # committed, sharded
     second = _run(tmp_path / "resumed", "--resume")
     assert "resumed from" in second and "at step 3" in second
     assert "done: 6 steps" in straight and "done: 3 steps" in second  # the steps each run made

@@ -236,3 +236,28 @@ def test_dataloader_resumes_at_the_next_unseen_batch_and_maps_world_sizes() -> N
     assert sorted(i for batch in seen + rest for i in batch) == list(range(20))
     other.load_state_dict({"epoch": 1, "samples_seen": 3, "num_replicas": 3})  # 9 samples seen in all
     assert sum(len(batch[0]) for batch in other) == 20 - 9
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+def test_keep_last_and_latest_checkpoint(tmp_path: Path, fmt: str) -> None:
+    from argparse import Namespace
+
+    from minifabric import latest_checkpoint
+
+    acc = _acc(fmt)
+    model, _ = _trained(acc)
+    root = tmp_path / "ckpts"
+    suffix = "" if fmt == "sharded" else ".pt"
+    assert latest_checkpoint(root) is None
+    (root / "notes").mkdir(parents=True)
+    (root / "notes" / "a.txt").write_text("not a checkpoint of the series")
+    for step in range(1, 5):
+        acc.save(root / f"step-{step:04d}{suffix}", {"model": model, "step": step}, keep_last=2)
+    assert sorted(p.name for p in root.iterdir()) == ["notes", f"step-0003{suffix}", f"step-0004{suffix}"]
+    assert latest_checkpoint(root) == root / f"step-0004{suffix}"
+    with pytest.raises(CheckpointError, match="args"):  # a failed save deletes nothing
+        acc.save(root / f"step-0005{suffix}", {"model": model, "args": Namespace()}, keep_last=1)
+    assert latest_checkpoint(root) == root / f"step-0004{suffix}"
+    assert len(list(root.iterdir())) == 3
+    with pytest.raises(ValueError, match="keep_last"):
+        acc.save(root / "x", {"model": model}, keep_last=0)
