@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from minifabric.checkpoint import fabric
 from minifabric.checkpoint.commit import fsync_path, unwritable_parent_error
 from minifabric.checkpoint.errors import CheckpointError
 from minifabric.checkpoint.state import FORMAT_KEY, validate
@@ -60,6 +61,13 @@ def read(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:
+        unsupported = [line.strip() for line in str(err).splitlines() if "Unsupported global" in line]
+        if unsupported:  # a pickle that names classes: loading it would run their code
+            raise CheckpointError(
+                f"{str(path)!r} needs unpickling of arbitrary classes ({unsupported[0]}), which loading never"
+                " does. If you trust the file, convert those values once: `data = torch.load(path,"
+                " weights_only=False)`, replace them by plain values (e.g. `vars(args)`), `torch.save(data, path)`."
+            ) from err
         raise CheckpointError(
             f"{str(path)!r} is not a checkpoint that can be loaded safely ({type(err).__name__}: {err})."
         ) from err
@@ -68,6 +76,8 @@ def read(path: Path) -> Any:
 def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """The ``(meta, state)`` of a one-file minifabric checkpoint."""
     data = read(path)
+    if isinstance(data, dict) and FORMAT_KEY not in data and fabric.is_fabric_file(data):
+        return fabric.file_layout(data)
     if not isinstance(data, dict) or FORMAT_KEY not in data:
         raise CheckpointError(
             f"{str(path)!r} is not a minifabric checkpoint. For a plain `torch.save(model.state_dict())`"

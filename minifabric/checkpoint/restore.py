@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from minifabric.checkpoint import commit, full, rng, sharded
+from minifabric.checkpoint import commit, fabric, full, rng, sharded
 from minifabric.checkpoint.comm import Comm
 from minifabric.checkpoint.errors import CheckpointError
 from minifabric.checkpoint.names import group_problems, is_named, parameter_names, to_indices
@@ -51,7 +51,12 @@ class Opened:
 
 
 def open_checkpoint(path: Path) -> Opened:
-    """Read the metadata of the checkpoint at ``path`` (a sharded folder or one file)."""
+    """Read the metadata of the checkpoint at ``path`` (a sharded folder or one file; minifabric's or Fabric's)."""
+    if fabric.is_fabric_folder(path):
+        meta, tree = fabric.folder_layout(
+            path, sharded.SafeReader(path), lambda t: sharded.read_tensors(path, t)
+        )
+        return Opened(path, meta, tree, sharded=True)
     found = commit.locate(path)
     if found.is_dir():
         meta, tree = sharded.read_side_record(found)
@@ -139,6 +144,7 @@ def _restore_per_rank(opened: Opened, state: dict[str, Any], rank: int, world_si
     """Each rank's RNG and stateful objects: its own record, or a loud warning where none maps."""
     records = opened.ranks
     same_world = len(records) == world_size
+    with_rng = "rng" in records[0]  # not in checkpoints written by Lightning Fabric
     not_restored: list[str] = []
     for key, obj in state.items():
         if (
@@ -154,9 +160,9 @@ def _restore_per_rank(opened: Opened, state: dict[str, Any], rank: int, world_si
             obj.load_state_dict(values[0])  # the same on every saved rank: maps to any world size
         else:
             not_restored.append(f"{key!r} (its state differs between the saved ranks)")
-    if same_world:
+    if same_world and with_rng:
         not_restored += [f"the {name} RNG state" for name in rng.restore(records[rank]["rng"])]
-    else:
+    elif with_rng:
         not_restored.append("the RNG states (python, numpy, torch, cuda), which are per rank")
     if not_restored:
         warnings.warn(

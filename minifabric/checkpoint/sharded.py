@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 
 from minifabric.checkpoint import commit
 from minifabric.checkpoint.comm import Comm, describe
@@ -148,8 +148,23 @@ def read_side_record(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return data[FORMAT_KEY], data["state"]
 
 
-def read_tensors(path: Path, targets: dict[str, torch.Tensor], group: Any = None) -> None:
+class _SafePlanner(DefaultLoadPlanner):
+    """DCP's load planner, with non-tensor values read by ``torch.load(weights_only=True)``."""
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        key = read_item.dest_index.fqn
+        try:
+            self.state_dict[key] = torch.load(value, weights_only=True)
+        except Exception as err:
+            raise CheckpointError(
+                f"{key!r} needs unpickling of arbitrary classes, which loading never does ({type(err).__name__})."
+            ) from err
+
+
+def read_tensors(path: Path, targets: dict[str, Any], group: Any = None) -> None:
     """Fill ``targets`` (``{key: fresh tensor}``, DTensors get their shard) from the DCP files at ``path``.
+
+    A non-tensor value stored by DCP (Fabric's folders have some) replaces its placeholder in ``targets``.
 
     Collective when a process group is up; works without one (e.g. into a plain module).
     """
@@ -163,11 +178,21 @@ def read_tensors(path: Path, targets: dict[str, torch.Tensor], group: Any = None
             warnings.filterwarnings(
                 "ignore", message=".*assuming the intent is to load in a single process.*"
             )
-            dcp.load(targets, storage_reader=SafeReader(path), process_group=group, no_dist=no_dist)
+            planner = _SafePlanner(flatten_state_dict=False)
+            dcp.load(
+                targets,
+                storage_reader=SafeReader(path),
+                planner=planner,
+                process_group=group,
+                no_dist=no_dist,
+            )
     except BaseException as err:  # DCP's CheckpointException derives from BaseException
         if isinstance(err, KeyboardInterrupt):
             raise
         raise CheckpointError(f"Reading the tensors of {str(path)!r} failed: {describe(err)}") from err
+    for key, value in targets.items():  # DCP sets non-tensor values in its own copy of the dict
+        if not isinstance(value, torch.Tensor):
+            targets[key] = planner.state_dict[key]
 
 
 __all__ = [

@@ -261,3 +261,37 @@ def test_keep_last_and_latest_checkpoint(tmp_path: Path, fmt: str) -> None:
     assert len(list(root.iterdir())) == 3
     with pytest.raises(ValueError, match="keep_last"):
         acc.save(root / "x", {"model": model}, keep_last=0)
+
+
+def test_a_lightning_fabric_one_file_checkpoint_resumes_with_load(tmp_path: Path) -> None:
+    from argparse import Namespace
+
+    from lightning_fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    torch.manual_seed(0)
+    model = Small()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model, optimizer = fabric.setup(model, optimizer)
+    fabric.backward(model(torch.randn(5, 4)).sum())
+    optimizer.step()
+    scheduler.step()
+    fabric.save(
+        tmp_path / "fabric.ckpt", {"model": model, "optimizer": optimizer, "sched": scheduler, "step": 3}
+    )
+
+    acc = _acc()
+    fresh = Small()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    fresh_sched = torch.optim.lr_scheduler.StepLR(fresh_opt, step_size=1, gamma=0.5)
+    state = {"model": fresh, "optimizer": fresh_opt, "sched": fresh_sched, "step": 0}
+    acc.load(tmp_path / "fabric.ckpt", state)
+    assert state["step"] == 3 and fresh_sched.last_epoch == 1 and fresh_opt.param_groups[0]["lr"] == 0.05
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
+    live = optimizer.optimizer.state[model.module.layer.weight]["exp_avg"]
+    assert torch.equal(fresh_opt.state[fresh.layer.weight]["exp_avg"], live)
+
+    torch.save({"model": model.state_dict(), "hparams": Namespace(lr=1)}, tmp_path / "pickled.ckpt")
+    with pytest.raises(CheckpointError, match=r"arbitrary classes.*argparse\.Namespace"):
+        acc.load(tmp_path / "pickled.ckpt", {"model": fresh})
