@@ -10,6 +10,7 @@ import os
 import weakref
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -458,6 +459,12 @@ class Accelerator:
 
     # ---- checkpoints -------------------------------------------------------------------------
 
+    @cached_property
+    def _checkpointer(self) -> Any:
+        from minifabric.checkpoint.service import Checkpointer  # imports DTensor: only when checkpointing
+
+        return Checkpointer()
+
     def save(
         self,
         path: str | os.PathLike,
@@ -489,14 +496,17 @@ class Accelerator:
         check_state(state, keep_last)
         if format == "safetensors":
             module = check_safetensors_state(state, asynchronous)
-            return self._strategy.export_safetensors(Path(path), unwrap_state({"m": module})["m"])
+            return self._checkpointer.export_safetensors(Path(path), unwrap_state({"m": module})["m"])
         if format != "minifabric":
             raise ValueError(
                 f'format={format!r} is unknown. Use "minifabric" (a checkpoint) or "safetensors".'
             )
-        return self._strategy.save_checkpoint(
-            Path(path), unwrap_state(state), asynchronous=asynchronous, keep_last=keep_last
+        options = self._strategy.checkpoint_options
+        handle = self._checkpointer.save(
+            Path(path), unwrap_state(state), options, asynchronous=asynchronous, keep_last=keep_last
         )
+        self._strategy.lifecycle.saving(Path(path), handle)  # named in a failure report
+        return handle
 
     def load(
         self, path: str | os.PathLike, state: dict[str, Any] | None = None, strict: bool = True
@@ -524,7 +534,8 @@ class Accelerator:
             state = {}
         check_state(state)
         unwrapped = unwrap_state(state)
-        remainder = self._strategy.load_checkpoint(Path(path), unwrapped, strict=strict)
+        remainder = self._checkpointer.load(Path(path), unwrapped, strict=strict)
+        self._strategy.lifecycle.loaded(Path(path))
         for key, value in unwrapped.items():
             if key in state and not is_stateful(state[key]):
                 state[key] = value
@@ -553,7 +564,7 @@ class Accelerator:
         target = unwrap_state({"obj": obj})["obj"]
         if not isinstance(target, (nn.Module, Optimizer)):
             raise TypeError(f"`load_raw` loads into a module or optimizer, got {type(obj).__name__}.")
-        self._strategy.load_raw(Path(path), target, strict=strict, key_map=key_map)
+        self._checkpointer.load_raw(Path(path), target, strict=strict, key_map=key_map)
 
     # ---- collectives and utilities -----------------------------------------------------------
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,10 +18,7 @@ from torch.optim import Optimizer
 from minifabric.checkpoint import fabric
 from minifabric.checkpoint.commit import fsync_path, unwritable_parent_error
 from minifabric.checkpoint.errors import CheckpointError
-from minifabric.checkpoint.state import FORMAT_KEY, validate
-
-if TYPE_CHECKING:
-    from minifabric.strategies.strategy import Strategy
+from minifabric.checkpoint.state import FORMAT_KEY, load_module, load_optimizer, validate
 
 
 def writable_file_error(path: Path) -> str | None:
@@ -102,11 +99,11 @@ def raw_state_dict(data: Any, obj: nn.Module | Optimizer, path: Path) -> dict[st
     )
 
 
-def load_raw(strategy: Strategy, path: Path, obj: nn.Module | Optimizer, strict: bool = True) -> None:
+def load_raw(path: Path, obj: nn.Module | Optimizer, strict: bool = True) -> None:
     """Load a plain state-dict file (or a one-file/consolidated checkpoint) into ``obj``."""
     state_dict = raw_state_dict(read(path), obj, path)
     if isinstance(obj, nn.Module):
         validate({"model": obj}, {"model": obj.state_dict()}, {"model": state_dict}, strict)
-        strategy.load_module_state_dict(obj, state_dict, strict=strict)
+        load_module(obj, state_dict, strict=strict)
     else:
-        strategy.load_optimizer_state_dict(obj, state_dict)
+        load_optimizer(obj, state_dict)

@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,12 +22,15 @@ from minifabric.checkpoint import commit, fabric, full, rng, sharded
 from minifabric.checkpoint.comm import Comm
 from minifabric.checkpoint.errors import CheckpointError
 from minifabric.checkpoint.names import group_problems, is_named, parameter_names, to_indices
-from minifabric.checkpoint.state import is_stateful, kind_problems, optimizer_problems, validate
+from minifabric.checkpoint.state import (
+    is_stateful,
+    kind_problems,
+    load_module,
+    load_optimizer,
+    optimizer_problems,
+    validate,
+)
 from minifabric.checkpoint.tensors import TENSOR_REF, empty_target, equal, is_ref, map_tree, place
-from minifabric.strategies.rebind import optimizer_parameters
-
-if TYPE_CHECKING:
-    from minifabric.strategies.strategy import Strategy
 
 
 @dataclass
@@ -74,7 +77,7 @@ def _resolver(obj: Any) -> Resolver:
         live = obj.state_dict()
         return lambda path: live.get(path[0]) if len(path) == 1 else None
     if isinstance(obj, Optimizer):
-        params = optimizer_parameters(obj)
+        params = [p for group in obj.param_groups for p in group["params"]]
 
         def param_for(path: tuple) -> Any:
             index = path[1] if len(path) == 3 and path[0] == "state" else None
@@ -183,7 +186,7 @@ def _leftover(opened: Opened, name: str, materialized: dict[str, Any], rank: int
     return records[rank if len(records) == world_size else 0]["stateful"][name]
 
 
-def load(strategy: Strategy, path: Path, state: dict[str, Any], strict: bool, comm: Comm) -> dict[str, Any]:
+def load(path: Path, state: dict[str, Any], strict: bool, comm: Comm) -> dict[str, Any]:
     """Restore ``state`` in place from the checkpoint at ``path``; return the entries it did not ask for.
 
     Collective. Opening and checking, then reading the tensors, each end with an agreement of all
@@ -208,7 +211,7 @@ def load(strategy: Strategy, path: Path, state: dict[str, Any], strict: bool, co
     except BaseException as err:  # DCP's CheckpointException derives from BaseException
         error = err
     comm.agree(error, context, outcome)
-    return _apply(strategy, opened, state, materialized, tolerated, strict)
+    return _apply(opened, state, materialized, tolerated, strict, comm.rank, comm.world_size)
 
 
 def _read(opened: Opened, state: dict[str, Any], comm: Comm) -> dict[str, Any]:
@@ -239,32 +242,29 @@ def _has_refs(tree: Any) -> bool:
 
 
 def _apply(
-    strategy: Strategy,
     opened: Opened,
     state: dict[str, Any],
     materialized: dict[str, Any],
     tolerated: list[str],
     strict: bool,
+    rank: int,
+    world_size: int,
 ) -> dict[str, Any]:
     path = opened.path
     for key, value in state.items():
         if key not in opened.tree:
             continue
         if isinstance(value, nn.Module):
-            strategy.load_module_state_dict(value, materialized[key], strict=strict)
+            load_module(value, materialized[key], strict=strict)
         elif isinstance(value, Optimizer):
-            strategy.load_optimizer_state_dict(value, materialized[key])
+            load_optimizer(value, materialized[key])
         elif not is_stateful(value):
             state[key] = materialized.get(key, opened.tree[key])
     if opened.ranks:
-        _restore_per_rank(opened, state, strategy.global_rank, strategy.world_size)
+        _restore_per_rank(opened, state, rank, world_size)
     if tolerated:
         warnings.warn(
             f"Loaded {str(path)!r} with strict=False; not restored: {', '.join(tolerated)}.", stacklevel=3
         )
     names = opened.names()
-    return {
-        k: _leftover(opened, k, materialized, strategy.global_rank, strategy.world_size)
-        for k in names
-        if k not in state
-    }
+    return {k: _leftover(opened, k, materialized, rank, world_size) for k in names if k not in state}

@@ -1,4 +1,8 @@
-"""The checkpoint service a strategy owns: one save or load at a time, synchronous or in the background.
+"""The checkpoint service: one save or load at a time, synchronous or in the background.
+
+The facade owns one :class:`Checkpointer` and passes it, on every save, the strategy's
+:class:`~minifabric.checkpoint.options.CheckpointOptions` (sharded or full): the service never sees
+the strategy.
 
 ``save`` gathers what to write on the calling thread (state dicts, each rank's RNG and stateful
 states). For an asynchronous save a background thread then copies every tensor to CPU (the next
@@ -13,7 +17,7 @@ import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
@@ -22,11 +26,9 @@ from minifabric.checkpoint import commit, full, periodic, restore, rng, sharded
 from minifabric.checkpoint.comm import Comm
 from minifabric.checkpoint.errors import CheckpointError
 from minifabric.checkpoint.hf.ties import tied_groups
+from minifabric.checkpoint.options import CheckpointOptions
 from minifabric.checkpoint.state import FORMAT_KEY, FORMAT_VERSION, collect, kinds, refuse_unloadable
 from minifabric.checkpoint.tensors import stage
-
-if TYPE_CHECKING:
-    from minifabric.strategies.strategy import Strategy
 
 
 class SaveHandle:
@@ -71,15 +73,14 @@ class SaveHandle:
 
 
 class Checkpointer:
-    """Saves and loads checkpoints for one strategy (the format follows ``strategy.state_dict_type``).
+    """Saves and loads checkpoints (the format of a save follows its ``CheckpointOptions``).
 
     Every phase of a save or load ends with an agreement between the ranks (:meth:`Comm.agree`): an
     exception on any rank makes every rank raise the same :class:`CheckpointError`, the staging
     folder is removed, and nothing is committed or applied.
     """
 
-    def __init__(self, strategy: Strategy) -> None:
-        self._strategy = strategy
+    def __init__(self) -> None:
         self._comm: Comm | None = None
         self._pending: SaveHandle | None = None
         # CPU copies of the last asynchronous save, reused by the next one (one model copy in RAM).
@@ -106,12 +107,18 @@ class Checkpointer:
                 hook.remove()
 
     def save(
-        self, path: Path, state: dict[str, Any], *, asynchronous: bool = False, keep_last: int | None = None
+        self,
+        path: Path,
+        state: dict[str, Any],
+        options: CheckpointOptions,
+        *,
+        asynchronous: bool = False,
+        keep_last: int | None = None,
     ) -> SaveHandle | None:
         """Write ``state`` to ``path`` (collective: every rank calls it); then apply ``keep_last`` retention."""
         self.wait()
-        comm, strategy = self.comm, self._strategy
-        form = strategy.state_dict_type
+        comm = self.comm
+        form = options.state_dict_type
         if form not in ("full", "sharded"):
             raise ValueError(f'state_dict_type={form!r} is not supported. Use "sharded" or "full".')
         context = f"Saving the checkpoint {str(path)!r} failed"
@@ -149,7 +156,8 @@ class Checkpointer:
         # 2. state dicts (collective under FSDP with a full checkpoint)
         error, payload = None, None
         try:
-            collected = collect(strategy, state, record["stateful"])  # type: ignore[index]
+            stateful = record["stateful"]  # type: ignore[index]
+            collected = collect(state, stateful, form == "full", comm.rank, comm.world_size)
             meta = {
                 "version": FORMAT_VERSION,
                 "format": form,
@@ -225,4 +233,27 @@ class Checkpointer:
     def load(self, path: Path, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
         """Restore ``state`` in place from ``path``; return the entries it did not ask for."""
         self.wait()
-        return restore.load(self._strategy, path, state, strict=strict, comm=self.comm)
+        return restore.load(path, state, strict=strict, comm=self.comm)
+
+    def load_raw(self, path: Path, obj: Any, strict: bool = True, key_map: Any = None) -> None:
+        """Load a plain state-dict file, a consolidated checkpoint or Hugging Face safetensors into ``obj``."""
+        from minifabric.checkpoint import hf
+
+        self.wait()
+        if hf.is_safetensors(path):
+            if not isinstance(obj, nn.Module):
+                raise TypeError(f"Safetensors weights load into a module, got {type(obj).__name__}.")
+            hf.load_safetensors(self.comm, path, obj, strict=strict, key_map=key_map)
+            return
+        if key_map is not None:
+            raise ValueError(
+                "key_map= applies to safetensors weights only; rename a state dict's keys yourself."
+            )
+        full.load_raw(path, obj, strict=strict)
+
+    def export_safetensors(self, path: Path, module: nn.Module) -> None:
+        """Write ``module``'s weights as Hugging Face safetensors at ``path`` (every rank calls, rank 0 writes)."""
+        from minifabric.checkpoint import hf
+
+        self.wait()
+        hf.export_module(self.comm, module, path)

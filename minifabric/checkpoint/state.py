@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import io
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,10 +17,7 @@ from torch.optim import Optimizer
 
 from minifabric.checkpoint.errors import CheckpointError, UnsaveableValueError
 from minifabric.checkpoint.names import parameter_names, to_names
-from minifabric.checkpoint.tensors import gather_full, shape_of
-
-if TYPE_CHECKING:
-    from minifabric.strategies.strategy import Strategy
+from minifabric.checkpoint.tensors import gather_full, place, shape_of
 
 # Both formats store ``{FORMAT_KEY: meta, "state": {...}}``; meta holds ``version``, ``format``,
 # ``world_size``, ``kinds`` (what each entry is) and ``ranks`` (each rank's RNG and stateful states).
@@ -33,28 +30,58 @@ def is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-def collect(strategy: Strategy, state: dict[str, Any], stateful: dict[str, Any]) -> dict[str, Any]:
+def collect(
+    state: dict[str, Any], stateful: dict[str, Any], full: bool, rank: int, world_size: int
+) -> dict[str, Any]:
     """The saveable form of ``state`` (collective): module and optimizer state dicts, values as they are.
 
-    Optimizer state is keyed by parameter name where the module it updates is in ``state``.
-    ``stateful`` holds the state dicts of the other stateful objects, already taken.
+    For a ``full`` checkpoint every DTensor is gathered, one at a time, into a full CPU tensor kept
+    on rank 0 only; otherwise DTensors stay as they are (each rank writes its shard). Optimizer
+    state is keyed by parameter name where the module it updates is in ``state``. ``stateful``
+    holds the state dicts of the other stateful objects, already taken.
     """
     modules = [v for v in state.values() if isinstance(v, nn.Module)]
     out: dict[str, Any] = {}
     for key, value in state.items():
         if isinstance(value, nn.Module):
-            out[key] = strategy.module_state_dict(value)
+            tree = value.state_dict()
         elif isinstance(value, Optimizer):
             names = parameter_names(value, modules)
-            state_dict = strategy.optimizer_state_dict(value)
-            out[key] = to_names(state_dict, names) if names is not None else state_dict
+            state_dict = _optimizer_state_dict(value, rank, world_size)
+            tree = to_names(state_dict, names) if names is not None else state_dict
         elif key in stateful:
-            out[key] = stateful[key]
-        elif strategy.state_dict_type == "full":  # DTensors among plain values: saved whole
-            out[key] = gather_full(value, keep=strategy.is_global_zero)
+            tree = stateful[key]
         else:
-            out[key] = value
+            tree = value
+        out[key] = gather_full(tree, keep=rank == 0) if full and key not in stateful else tree
     return out
+
+
+def _optimizer_state_dict(optimizer: Optimizer, rank: int, world_size: int) -> dict[str, Any]:
+    """``optimizer.state_dict()``; torch's ``ZeroRedundancyOptimizer`` gathers its shards to rank 0 first."""
+    if world_size > 1 and callable(getattr(optimizer, "consolidate_state_dict", None)):
+        optimizer.consolidate_state_dict(to=0)  # collective: every rank sends its shard
+        return optimizer.state_dict() if rank == 0 else {}
+    return optimizer.state_dict()
+
+
+def load_module(module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+    """Load a state dict into ``module``; full tensors are cut to this rank's shard where it is sharded."""
+    live = module.state_dict()
+    module.load_state_dict({k: place(v, live.get(k)) for k, v in state_dict.items()}, strict=strict)
+
+
+def load_optimizer(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+    """Load an index-keyed optimizer state dict; full state tensors are cut to the shard of their parameter."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {
+        index: {
+            name: place(value, params[index]) if isinstance(index, int) and index < len(params) else value
+            for name, value in values.items()
+        }
+        for index, values in state_dict.get("state", {}).items()
+    }
+    optimizer.load_state_dict({**state_dict, "state": state})
 
 
 _PLAIN = (

@@ -123,16 +123,6 @@ class DDPStrategy(Strategy):
             return module.no_sync()
         return nullcontext()
 
-    def optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self.zero_redundancy and self.world_size > 1:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            if not isinstance(optimizer, ZeroRedundancyOptimizer):
-                return optimizer.state_dict()
-            optimizer.consolidate_state_dict(to=0)  # collective: every rank sends its shard
-            return optimizer.state_dict() if self.is_global_zero else {}
-        return optimizer.state_dict()
-
 
 _BF16_HOOKS = {"bf16_compress_hook", "bf16_compress_wrapper", "bf16_compress_wrapper_hook"}
 

@@ -13,8 +13,6 @@ from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from datetime import timedelta
-from functools import cached_property
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,6 +22,7 @@ from torch.optim import Optimizer
 
 from minifabric import collectives, signals
 from minifabric._torch import return_freed_memory
+from minifabric.checkpoint.options import CheckpointOptions
 from minifabric.environment import DEFAULT_TIMEOUT, LocalEnvironment, default_backend, share_cpu_cores
 from minifabric.launcher import JoinLauncher, Launcher, LocalLauncher
 from minifabric.lifecycle import Lifecycle, collective_timeout
@@ -40,8 +39,6 @@ from minifabric.strategies.rebind import optimizer_parameters
 
 if TYPE_CHECKING:
     from lightning_fabric.plugins.environments import ClusterEnvironment
-
-    from minifabric.checkpoint.service import Checkpointer
 
 
 class Strategy:
@@ -150,9 +147,11 @@ class Strategy:
         atexit.register(self._teardown_at_exit)
 
     def teardown(self) -> None:
-        """Wait for a checkpoint still being written, then leave the process group."""
-        if "checkpointer" in self.__dict__:
-            self.checkpointer.wait()
+        """Leave the process group.
+
+        An asynchronous save still writing has finished by then: its thread is not a daemon, so the
+        interpreter waits for it before running this at exit.
+        """
         self.lifecycle.leave()
 
     def _teardown_at_exit(self) -> None:
@@ -257,100 +256,10 @@ class Strategy:
     #: writes its own shard (the FSDP default). ``load`` reads both, whatever this is.
     state_dict_type: str = "full"
 
-    @cached_property
-    def checkpointer(self) -> Checkpointer:
-        """The checkpoint service of this strategy (created on the first save or load)."""
-        from minifabric.checkpoint.service import Checkpointer
-
-        return Checkpointer(self)
-
-    def module_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        """The state dict of ``module`` as this strategy stores it (collective for sharded modules).
-
-        Sharded parameters stay DTensors for a ``"sharded"`` checkpoint; for a ``"full"`` one they are
-        gathered one at a time into full CPU tensors kept on rank 0 only.
-        """
-        from minifabric.checkpoint.tensors import gather_full
-
-        state_dict = module.state_dict()
-        return (
-            gather_full(state_dict, keep=self.is_global_zero)
-            if self.state_dict_type == "full"
-            else state_dict
-        )
-
-    def optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The state dict of ``optimizer`` as this strategy stores it (collective for sharded ones)."""
-        from minifabric.checkpoint.tensors import gather_full
-
-        state_dict = optimizer.state_dict()
-        return (
-            gather_full(state_dict, keep=self.is_global_zero)
-            if self.state_dict_type == "full"
-            else state_dict
-        )
-
-    def load_module_state_dict(
-        self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True
-    ) -> None:
-        """Load a state dict into ``module``; full tensors are cut to this rank's shard where it is sharded."""
-        from minifabric.checkpoint.tensors import place
-
-        live = module.state_dict()
-        module.load_state_dict({k: place(v, live.get(k)) for k, v in state_dict.items()}, strict=strict)
-
-    def load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-        """Load an optimizer state dict; full state tensors are cut to the shard of their parameter."""
-        from minifabric.checkpoint.tensors import place
-
-        params = optimizer_parameters(optimizer)
-        state = {
-            index: {
-                name: place(value, params[index]) if isinstance(index, int) and index < len(params) else value
-                for name, value in values.items()
-            }
-            for index, values in state_dict.get("state", {}).items()
-        }
-        optimizer.load_state_dict({**state_dict, "state": state})
-
-    def save_checkpoint(
-        self, path: Path, state: dict[str, Any], *, asynchronous: bool = False, keep_last: int | None = None
-    ) -> Any:
-        """Write ``state`` to ``path`` in the ``state_dict_type`` format; a handle if ``asynchronous``."""
-        handle = self.checkpointer.save(Path(path), state, asynchronous=asynchronous, keep_last=keep_last)
-        self.lifecycle.saving(Path(path), handle)
-        return handle
-
-    def load_checkpoint(self, path: Path, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
-        """Restore ``state`` in place from ``path`` (either format); return the entries it did not ask for."""
-        remainder = self.checkpointer.load(Path(path), state, strict=strict)
-        self.lifecycle.loaded(Path(path))
-        return remainder
-
-    def load_raw(
-        self, path: Path, obj: nn.Module | Optimizer, strict: bool = True, key_map: Any = None
-    ) -> None:
-        """Load a plain state-dict file, a consolidated checkpoint or Hugging Face safetensors into ``obj``."""
-        from minifabric.checkpoint import full, hf
-
-        self.checkpointer.wait()
-        if hf.is_safetensors(Path(path)):
-            if not isinstance(obj, nn.Module):
-                raise TypeError(f"Safetensors weights load into a module, got {type(obj).__name__}.")
-            hf.load_safetensors(self.checkpointer.comm, Path(path), obj, strict=strict, key_map=key_map)
-            return
-        if key_map is not None:
-            raise ValueError(
-                "key_map= applies to safetensors weights only; rename a state dict's keys yourself."
-            )
-        full.load_raw(self, Path(path), obj, strict=strict)
-
-    def export_safetensors(self, path: Path, module: nn.Module) -> None:
-        """Write ``module``'s weights as Hugging Face safetensors at ``path`` (every rank calls, rank 0 writes)."""
-        from minifabric.checkpoint import hf
-
-        self.checkpointer.wait()
-        hf.export_module(self.checkpointer.comm, module, path)
+    @property
+    def checkpoint_options(self) -> CheckpointOptions:
+        """How this strategy's checkpoints are written (configuration for the checkpoint service)."""
+        return CheckpointOptions(state_dict_type=self.state_dict_type)  # type: ignore[arg-type]
 
     def wrap(self, module: nn.Module) -> nn.Module:
         """Shard ``module`` now (FSDP); other strategies return it unchanged."""
