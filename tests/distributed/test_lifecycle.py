@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from minifabric import latest_checkpoint
 from tests.helpers import PYTHON, REPO, Session, live_processes
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
@@ -136,7 +137,7 @@ def test_preempting_one_rank_of_the_example_saves_at_a_step_and_resumes_bit_exac
     assert code == 0, run.output
     stopped = int(re.search(r"stopping at step (\d+); continue with --resume", run.output).group(1))
     assert 2 <= stopped < 8, run.output
-    assert (out / "checkpoint" / "COMMIT.json").is_file()
+    assert latest_checkpoint(out / "checkpoints").name == f"step-{stopped:06d}"  # committed
 
     resumed = Session([PYTHON, EXAMPLE, *TINY_GPT, "--out-dir", str(out), "--resume"])
     assert resumed.finish(timeout=START_SECONDS)[0] == 0, resumed.output
