@@ -305,7 +305,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command is None:
         parser.print_help()
         raise SystemExit(2)
-    args.handler(args)
+    if args.command == "run":  # the script's own errors are its business
+        args.handler(args)
+        return
+    from minifabric.checkpoint.errors import CheckpointError
+
+    try:
+        args.handler(args)
+    except (CheckpointError, ValueError, TypeError, FileNotFoundError) as err:
+        # A wrong path or option: the message says what and how to fix it; a traceback adds nothing.
+        parser.exit(1, f"minifabric {args.command}: error: {err}\n")
 
 
 if __name__ == "__main__":

@@ -127,7 +127,7 @@ def _lightning_class_name(plugin: Precision) -> str:
 
 
 def _rebuild(cls: type, state: dict[str, Any]) -> Any:
-    obj = cls.__new__(cls)
+    obj = cls.__new__(cls)  # type: ignore[call-overload]
     obj.__dict__.update(state)
     return obj
 

@@ -49,7 +49,7 @@ class Comm:
         from torch.distributed.device_mesh import DeviceMesh
 
         if self._mesh is None:
-            self._mesh = DeviceMesh.from_group(self.group, "cpu")
+            self._mesh = DeviceMesh.from_group(self.group, "cpu")  # type: ignore[arg-type]  # None: the default group
         return self._mesh
 
     def barrier(self) -> None:

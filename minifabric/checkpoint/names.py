@@ -33,7 +33,7 @@ def parameter_names(optimizer: Optimizer, modules: list[nn.Module]) -> list[str]
 def is_named(state_dict: Any) -> bool:
     """Whether an optimizer state dict (or its tree in a checkpoint) is keyed by parameter name."""
     groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
-    return bool(groups) and any(isinstance(p, str) for g in groups for p in g.get("params", []))
+    return bool(groups) and any(isinstance(p, str) for g in groups or () for p in g.get("params", []))
 
 
 def to_names(state_dict: dict[str, Any], names: list[str]) -> dict[str, Any]:

@@ -19,12 +19,26 @@ from minifabric.checkpoint.errors import CheckpointError
 
 #: Suffixes of one-file checkpoints that :func:`latest_checkpoint` and retention consider.
 FILE_SUFFIXES = (".pt", ".pth", ".ckpt")
+#: ``torch.save`` writes a zip archive: a one-file checkpoint saved without a suffix starts with this.
+_TORCH_ARCHIVE = b"PK\x03\x04"
+
+
+def _is_checkpoint_file(path: Path) -> bool:
+    if path.suffix in FILE_SUFFIXES:
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == _TORCH_ARCHIVE
+    except OSError:
+        return False
 
 
 def _committed_at(path: Path) -> float | None:
     """When the checkpoint at ``path`` was committed, or None if it is no committed checkpoint."""
+    if path.name.startswith("."):  # staging folders and temporary files of a save in progress
+        return None
     if path.is_file():
-        return path.stat().st_mtime if path.suffix in FILE_SUFFIXES else None
+        return path.stat().st_mtime if _is_checkpoint_file(path) else None
     if not (path / POINTER).is_file():
         return None
     try:
@@ -38,7 +52,8 @@ def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
     """The most recently committed checkpoint directly under ``folder``, or None if there is none.
 
     Sharded checkpoint folders count once committed; one-file checkpoints count by their suffix
-    (``.pt``, ``.pth``, ``.ckpt``). An interrupted save is never returned.
+    (``.pt``, ``.pth``, ``.ckpt``) or, without one, by ``torch.save``'s archive header. An
+    interrupted save is never returned.
 
     Example:
         >>> from minifabric import latest_checkpoint

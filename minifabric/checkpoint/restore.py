@@ -198,7 +198,7 @@ def load(path: Path, state: dict[str, Any], strict: bool, comm: Comm) -> dict[st
     """
     context = f"Loading the checkpoint {str(path)!r} failed"
     outcome = "; nothing was changed."
-    error = None
+    error: BaseException | None = None
     try:
         opened = open_checkpoint(path)
         tolerated = check(opened, state, strict)

@@ -154,7 +154,8 @@ class Checkpointer:
         work = comm.broadcast(staging.work if staging is not None else None)
 
         # 2. state dicts (collective under FSDP with a full checkpoint)
-        error, payload = None, None
+        error = None
+        payload: Any = None
         try:
             stateful = record["stateful"]  # type: ignore[index]
             collected = collect(state, stateful, form == "full", comm.rank, comm.world_size)

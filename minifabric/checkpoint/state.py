@@ -60,7 +60,7 @@ def collect(
 def _optimizer_state_dict(optimizer: Optimizer, rank: int, world_size: int) -> dict[str, Any]:
     """``optimizer.state_dict()``; torch's ``ZeroRedundancyOptimizer`` gathers its shards to rank 0 first."""
     if world_size > 1 and callable(getattr(optimizer, "consolidate_state_dict", None)):
-        optimizer.consolidate_state_dict(to=0)  # collective: every rank sends its shard
+        optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]  # collective: every rank sends its shard
         return optimizer.state_dict() if rank == 0 else {}
     return optimizer.state_dict()
 

@@ -238,8 +238,8 @@ def test_dataloader_resumes_at_the_next_unseen_batch_and_maps_world_sizes() -> N
     assert sum(len(batch[0]) for batch in other) == 20 - 9
 
 
-@pytest.mark.parametrize("fmt", ["sharded", "full"])
-def test_keep_last_and_latest_checkpoint(tmp_path: Path, fmt: str) -> None:
+@pytest.mark.parametrize(("fmt", "suffix"), [("sharded", ""), ("full", ".pt"), ("full", "")])
+def test_keep_last_and_latest_checkpoint(tmp_path: Path, fmt: str, suffix: str) -> None:
     from argparse import Namespace
 
     from minifabric import latest_checkpoint
@@ -247,7 +247,6 @@ def test_keep_last_and_latest_checkpoint(tmp_path: Path, fmt: str) -> None:
     acc = _acc(fmt)
     model, _ = _trained(acc)
     root = tmp_path / "ckpts"
-    suffix = "" if fmt == "sharded" else ".pt"
     assert latest_checkpoint(root) is None
     (root / "notes").mkdir(parents=True)
     (root / "notes" / "a.txt").write_text("not a checkpoint of the series")

@@ -152,3 +152,14 @@ def test_underscore_spellings_are_accepted(torchrun):
         ["run", "--num_nodes", "1", "--node_rank", "0", "--main_address", "h", "--main_port", "5", "t.py"]
     )
     assert "--master-addr=h" in torchrun[0][0]
+
+
+def test_a_bad_checkpoint_path_is_one_line_not_a_traceback(tmp_path, capsys):
+    (tmp_path / "model.pt").write_bytes(b"not a checkpoint folder")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["consolidate", str(tmp_path / "model.pt"), str(tmp_path / "out.pt")])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert "minifabric consolidate: error:" in err and "model.pt" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "out.pt").exists()
