@@ -34,7 +34,7 @@ from minifabric.precision import Precision, PrecisionInput
 from minifabric.resolve import AcceleratorStr, StrategyStr, apply_cli_settings, resolve
 from minifabric.seed import seed_everything as _seed_everything
 from minifabric.signals import PeerFailed
-from minifabric.strategies.rebind import OrphanWatch, optimizer_parameters, parameter_names, rebind_optimizer
+from minifabric.strategies.rebind import OrphanWatch, SetupLedger, parameter_names
 from minifabric.strategies.strategy import Strategy
 from minifabric.wrappers import _WrappedDataLoader, _WrappedModule, _WrappedOptimizer
 
@@ -98,8 +98,7 @@ class Accelerator:
         parts = resolve(**settings, environment=environment)
         self._strategy = parts.strategy
         self._launched = False
-        # (parameter ids before setup -> names, module) for optimizers set up after their module
-        self._setups: list[tuple[dict[int, str], nn.Module]] = []
+        self._ledger = SetupLedger()  # the models set up, for optimizers set up after them
         # raises at step() of an optimizer left holding parameters that setup replaced
         self._orphans = OrphanWatch()
         weakref.finalize(self, self._orphans.close)
@@ -310,7 +309,7 @@ class Accelerator:
         with self._orphans.watch(module):
             forward_module = self._strategy.setup_module(compiled)
         module._minifabric_setup = True  # type: ignore[assignment]
-        self._setups.append((names, module))
+        self._ledger.record(names, module)
         return _WrappedModule(forward_module, module, self._strategy)
 
     def setup_optimizers(self, *optimizers: Optimizer) -> Any:
@@ -334,25 +333,11 @@ class Accelerator:
                 )
             if not isinstance(optimizer, Optimizer):
                 raise TypeError(f"Expected a torch.optim.Optimizer, got {type(optimizer).__name__}.")
-            names, module = self._owner(optimizer)
-            rebind_optimizer(optimizer, names, module)
+            self._ledger.rebind(optimizer)
             wrapped.append(
                 _WrappedOptimizer(self._strategy.setup_optimizer(optimizer), self._strategy, self._callbacks)
             )
         return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
-
-    def _owner(self, optimizer: Optimizer) -> tuple[dict[int, str], nn.Module]:
-        ids = {id(p) for p in optimizer_parameters(optimizer)}
-        for names, module in reversed(self._setups):
-            current = {id(p) for p in module.parameters()}
-            if ids & names.keys() or ids & current:
-                return ({**names, **{id(p): n for n, p in module.named_parameters()}}, module)
-        if not self._setups:
-            raise RuntimeError("Set up the model first: `model, optimizer = acc.setup(model, optimizer)`.")
-        raise ValueError(
-            f"{type(optimizer).__name__} holds no parameter of any model set up with this Accelerator."
-            " Build it over the model's parameters: `torch.optim.AdamW(model.parameters())`."
-        )
 
     def setup_dataloaders(
         self, *dataloaders: DataLoader, use_distributed_sampler: bool = True, move_to_device: bool = True

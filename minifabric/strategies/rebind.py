@@ -68,6 +68,36 @@ def rebind_optimizer(optimizer: Optimizer, names_before: dict[int, str], module:
         group["params"] = new_params
 
 
+class SetupLedger:
+    """The models set up so far, to find (and rebind) the model an optimizer belongs to.
+
+    Each entry keeps the parameter names as they were before ``setup`` replaced the parameters, so
+    an optimizer built over the originals (even meta ones) is matched by name.
+    """
+
+    def __init__(self) -> None:
+        self._setups: list[tuple[dict[int, str], nn.Module]] = []
+
+    def record(self, names_before: dict[int, str], module: nn.Module) -> None:
+        """Remember ``module``, set up just now, with its parameter names from before ``setup``."""
+        self._setups.append((names_before, module))
+
+    def rebind(self, optimizer: Optimizer) -> None:
+        """Point ``optimizer`` at the set-up parameters of the model it was built over."""
+        ids = {id(p) for p in optimizer_parameters(optimizer)}
+        for names, module in reversed(self._setups):
+            if ids & names.keys() or ids & {id(p) for p in module.parameters()}:
+                names = {**names, **{id(p): n for n, p in module.named_parameters()}}
+                rebind_optimizer(optimizer, names, module)
+                return
+        if not self._setups:
+            raise RuntimeError("Set up the model first: `model, optimizer = acc.setup(model, optimizer)`.")
+        raise ValueError(
+            f"{type(optimizer).__name__} holds no parameter of any model set up with this Accelerator."
+            " Build it over the model's parameters: `torch.optim.AdamW(model.parameters())`."
+        )
+
+
 class OrphanWatch:
     """Raise at ``step()`` of an optimizer that still holds parameters ``setup`` replaced.
 
