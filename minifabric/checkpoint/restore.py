@@ -9,7 +9,7 @@ as they were.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,15 +87,22 @@ def _resolver(obj: Any) -> Resolver:
     return lambda path: None
 
 
-def materialize(opened: Opened, wanted: dict[str, Resolver], group: Any = None) -> dict[str, Any]:
-    """The saved trees of ``wanted`` entries with real tensors, each laid out like its live counterpart."""
-    targets: dict[str, torch.Tensor] = {}
+def materialize(opened: Opened, wanted: dict[str, Resolver], views: Collection[str] = ()) -> dict[str, Any]:
+    """The saved trees of ``wanted`` entries with real tensors, each laid out like its live counterpart.
+
+    The tensors of the entries named in ``views`` may come back as views of the mapped shard files:
+    pass only entries whose tensors are copied out (into a live module) and then dropped.
+    """
+    targets: dict[str, Any] = {}
+    mapped: set[str] = set()
 
     def entry(name: str, resolve: Resolver) -> Any:
         def leaf(path: tuple, value: Any) -> Any:
             if is_ref(value):
                 targets[value[TENSOR_REF]] = empty_target(value, resolve(path))
-                return targets[value[TENSOR_REF]]
+                if name in views:
+                    mapped.add(value[TENSOR_REF])
+                return value
             if isinstance(value, torch.Tensor):
                 return place(value, resolve(path))
             return value
@@ -104,8 +111,8 @@ def materialize(opened: Opened, wanted: dict[str, Resolver], group: Any = None) 
 
     out = {name: entry(name, resolve) for name, resolve in wanted.items()}
     if opened.sharded:
-        sharded.read_tensors(opened.path, targets, group)
-    return out
+        sharded.read_tensors(opened.path, targets, views=mapped)
+    return map_tree(out, lambda path, value: targets[value[TENSOR_REF]] if is_ref(value) else value)
 
 
 def check(opened: Opened, state: dict[str, Any], strict: bool) -> list[str]:
@@ -232,7 +239,8 @@ def _read(opened: Opened, state: dict[str, Any], comm: Comm) -> dict[str, Any]:
     for key in opened.tree:
         if key not in wanted and (kinds.get(key) in ("module", "optimizer") or _has_refs(opened.tree[key])):
             wanted[key] = _resolver(state.get(key)) if key in state or spread is None else lambda path: spread
-    return materialize(opened, wanted, comm.group)
+    modules = [key for key, value in state.items() if isinstance(value, nn.Module) and key in wanted]
+    return materialize(opened, wanted, views=modules)
 
 
 def _has_refs(tree: Any) -> bool:

@@ -8,67 +8,31 @@ Layout of a committed version folder (``commit.py`` says how versions are commit
                                       states, plain values, and a reference in place of each tensor
     COMMIT.json                       commit record, written last (see ``commit.py``)
 
-Everything is read without unrestricted pickle: the side record with ``weights_only=True``, the
-shards by DCP with ``weights_only=True``, and DCP's ``.metadata`` through an unpickler that admits
-only DCP's own metadata classes.
+Everything is read without unrestricted pickle: the side record with ``weights_only=True``, and
+the shards and DCP's ``.metadata`` by ``reader.SafeReader``, whose unpicklers admit only DCP's own
+metadata classes and the tensor-rebuild call.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import warnings
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
 
 from minifabric.checkpoint import commit
-from minifabric.checkpoint.comm import Comm, describe
+from minifabric.checkpoint.comm import Comm
 from minifabric.checkpoint.errors import CheckpointError
+from minifabric.checkpoint.reader import SafeReader
 from minifabric.checkpoint.state import FORMAT_KEY
 from minifabric.checkpoint.tensors import split
-
-# What DCP's `.metadata` pickle may name; anything else is refused before it can run.
-_METADATA_MODULES = {"torch.distributed.checkpoint.metadata"}
-_METADATA_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "PureWindowsPath"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            allowed = True
-        if not allowed:
-            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
-        return super().find_class(module, name)
-
-
-class SafeReader(FileSystemReader):
-    """DCP's file reader with a restricted unpickler for ``.metadata`` (no code runs on load)."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        path = Path(self.path) / ".metadata"
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as err:
-            raise CheckpointError(f"{str(path)!r} is not valid checkpoint metadata: {err}") from err
-        if getattr(metadata, "storage_meta", None) is not None:
-            metadata.storage_meta.load_id = self.load_id
-        return metadata
 
 
 @contextmanager
@@ -161,38 +125,33 @@ class _SafePlanner(DefaultLoadPlanner):
             ) from err
 
 
-def read_tensors(path: Path, targets: dict[str, Any], group: Any = None) -> None:
+def read_tensors(path: Path, targets: dict[str, Any], views: Collection[str] = ()) -> None:
     """Fill ``targets`` (``{key: fresh tensor}``, DTensors get their shard) from the DCP files at ``path``.
 
-    A non-tensor value stored by DCP (Fabric's folders have some) replaces its placeholder in ``targets``.
+    A key in ``views`` may instead get a read-only-in-spirit view of the mapped shard file in place
+    of its target (the caller copies it into the model and drops it). A non-tensor value stored by
+    DCP (Fabric's folders have some) replaces its placeholder in ``targets``.
 
-    Collective when a process group is up; works without one (e.g. into a plain module).
+    Each rank plans and reads its own part without collectives; the caller agrees on the outcome.
     """
     if not targets:
         return
-    import torch.distributed as dist
-
-    no_dist = not (dist.is_available() and dist.is_initialized())
+    planner = _SafePlanner(flatten_state_dict=False)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # no_dist is deliberate: each rank reads its own part
             warnings.filterwarnings(
                 "ignore", message=".*assuming the intent is to load in a single process.*"
             )
-            planner = _SafePlanner(flatten_state_dict=False)
-            dcp.load(
-                targets,
-                storage_reader=SafeReader(path),
-                planner=planner,
-                process_group=group,
-                no_dist=no_dist,
-            )
+            dcp.load(targets, storage_reader=SafeReader(path, views), planner=planner, no_dist=True)
     except BaseException as err:  # DCP's CheckpointException derives from BaseException
         if isinstance(err, KeyboardInterrupt):
             raise
-        raise CheckpointError(f"Reading the tensors of {str(path)!r} failed: {describe(err)}") from err
-    for key, value in targets.items():  # DCP sets non-tensor values in its own copy of the dict
-        if not isinstance(value, torch.Tensor):
-            targets[key] = planner.state_dict[key]
+        failures = [f[0] if isinstance(f, tuple) else f for f in getattr(err, "failures", {}).values()]
+        cause = failures[0] if len(failures) == 1 and isinstance(failures[0], BaseException) else err
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        text = str(cause) if isinstance(cause, CheckpointError) else f"{type(cause).__name__}: {cause}"
+        raise CheckpointError(f"Reading the tensors of {str(path)!r} failed: rank {rank}: {text}") from err
+    targets.update(planner.state_dict)  # DCP reads into its own copy of the dict
 
 
 __all__ = [

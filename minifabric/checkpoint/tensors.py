@@ -97,6 +97,13 @@ def place(full: torch.Tensor, like: Any) -> torch.Tensor:
     return full
 
 
+def shard_like(local: torch.Tensor, like: DTensor) -> DTensor:
+    """``local`` as this rank's shard of a DTensor laid out like ``like`` (no communication)."""
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
+
+
 def gather_full(tree: Any, keep: bool) -> Any:
     """Replace every DTensor by its full tensor on CPU (collective); drop the copies where not ``keep``.
 
@@ -131,15 +138,7 @@ def stage(tree: Any, buffers: dict[str, torch.Tensor] | None = None) -> Any:
     def copy(path: tuple, leaf: Any) -> Any:
         key = "/".join(map(str, path))
         if isinstance(leaf, DTensor):
-            local = _copy_into(leaf.to_local(), key, buffers)
-            return DTensor.from_local(
-                local,
-                leaf.device_mesh,
-                leaf.placements,
-                run_check=False,
-                shape=leaf.shape,
-                stride=leaf.stride(),
-            )
+            return shard_like(_copy_into(leaf.to_local(), key, buffers), leaf)
         if isinstance(leaf, torch.Tensor):
             return _copy_into(leaf, key, buffers)
         return leaf

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from minifabric.checkpoint.archive import byte_view, read_exactly
 from minifabric.checkpoint.errors import CheckpointError
 
 WEIGHTS_NAME = "model.safetensors"
@@ -144,14 +145,10 @@ def read_box(f: Any, stored: Stored, offsets: tuple[int, ...], out: torch.Tensor
 
 
 def _read_into(f: Any, position: int, out: torch.Tensor) -> None:
-    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-    f.seek(position)
-    done = 0
-    while done < len(view):
-        n = f.readinto(view[done:])
-        if not n:
-            raise CheckpointError(f"{f.name!r} ended early: it is truncated.")
-        done += n
+    try:
+        read_exactly(f, position, byte_view(out))
+    except EOFError as err:
+        raise CheckpointError(f"{f.name!r} ended early: it is truncated.") from err
 
 
 def parse_size(size: int | str) -> int:

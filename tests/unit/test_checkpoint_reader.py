@@ -1,0 +1,148 @@
+"""The shard reader: every tensor layout read back exactly, mapped views that never outlive a load,
+damaged files reported by name, and a load that reads the model's weights through the mapping."""
+
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from minifabric import Accelerator
+from minifabric.checkpoint import CheckpointError, archive, reader, sharded
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*assuming the intent is to save in a single process")
+
+
+def _saved_tensors() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {
+        "f32": torch.randn(5, 7),
+        "bf16": torch.randn(4, 3).bfloat16(),
+        "f16": torch.randn(3, 3).half(),
+        "i64": torch.arange(10),
+        "i8": torch.arange(-4, 4, dtype=torch.int8),
+        "bool": torch.randn(6) > 0,
+        "c64": torch.randn(3, dtype=torch.complex64),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "transposed": torch.randn(6, 5).t(),  # saved with its strides: not contiguous
+        "sliced": torch.randn(10, 4)[2:5],  # a view into a larger storage
+        "big": torch.randn(256, 1024),
+    }
+
+
+def _save(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    dcp.save(dict(tensors), storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
+
+
+def _mapped_files(folder: Path) -> list[str]:
+    """The lines of this process's memory map that map a file under ``folder``."""
+    return [line for line in Path("/proc/self/maps").read_text().splitlines() if str(folder) in line]
+
+
+@pytest.mark.parametrize("views", [False, True])
+def test_every_layout_and_dtype_is_read_exactly(tmp_path: Path, views: bool) -> None:
+    saved = _saved_tensors()
+    _save(tmp_path, saved)
+    targets = {key: torch.full_like(value.contiguous(), 7) for key, value in saved.items()}
+    sharded.read_tensors(tmp_path, targets, views=set(saved) if views else ())
+    for key, value in saved.items():
+        assert targets[key].dtype == value.dtype and targets[key].shape == value.shape, key
+        assert torch.equal(targets[key], value), key
+
+
+def test_another_target_dtype_is_converted_like_a_copy(tmp_path: Path) -> None:
+    saved = {"w": torch.randn(8, 4).bfloat16(), "v": torch.randn(4)}
+    _save(tmp_path, saved)
+    targets = {"w": torch.empty(8, 4), "v": torch.empty(4, dtype=torch.float64)}
+    sharded.read_tensors(tmp_path, targets, views={"w", "v"})  # no view: the dtypes differ
+    assert targets["w"].dtype == torch.float32 and torch.equal(targets["w"], saved["w"].float())
+    assert torch.equal(targets["v"], saved["v"].double())
+
+
+def test_a_region_of_a_saved_chunk_is_read(tmp_path: Path) -> None:
+    """Reading a part of a saved chunk (as a rank does after resharding) takes exactly that part."""
+    from torch.distributed.checkpoint.planner import ReadItem
+
+    whole = torch.randn(6, 5)
+    _save(tmp_path, {"w": whole})
+    shard = next(tmp_path.glob("*.distcp"))
+    metadata = reader.SafeReader(tmp_path).read_metadata()
+    info = next(iter(metadata.storage_data.values()))
+    with open(shard, "rb", buffering=0) as file:
+        saved = archive.locate(file, info.offset, info.length)
+        for offsets, lengths in [((2, 0), (3, 5)), ((1, 2), (4, 2)), ((5, 4), (1, 1))]:
+            item = ReadItem(
+                type=None, dest_index=None, dest_offsets=None, storage_index=None,
+                storage_offsets=torch.Size(offsets), lengths=torch.Size(lengths),
+            )  # fmt: skip
+            target = torch.empty(lengths)
+            reader._read_region(file, saved, item, target)
+            expected = whole[offsets[0] : offsets[0] + lengths[0], offsets[1] : offsets[1] + lengths[1]]
+            assert torch.equal(target, expected), (offsets, lengths)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_views_map_the_shard_file_and_the_mapping_ends_with_them(tmp_path: Path) -> None:
+    saved = {"w": torch.randn(512, 512), "b": torch.randn(512)}
+    _save(tmp_path, saved)
+    given = {key: torch.empty_like(value) for key, value in saved.items()}
+    targets = dict(given)
+    sharded.read_tensors(tmp_path, targets, views={"w"})
+    assert targets["w"] is not given["w"] and targets["b"] is given["b"]  # only "w" may be a view
+    assert torch.equal(targets["w"], saved["w"]) and torch.equal(targets["b"], saved["b"])
+    assert _mapped_files(tmp_path), "the view should be a mapping of the shard file"
+    del targets
+    gc.collect()
+    assert not _mapped_files(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zeroed"])
+def test_a_damaged_shard_file_is_named(tmp_path: Path, damage: str) -> None:
+    saved = {"w": torch.randn(64, 64)}
+    _save(tmp_path, saved)
+    shard = next(tmp_path.glob("*.distcp"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\0" * len(data))
+    target = torch.zeros(64, 64)
+    for views in ((), {"w"}):
+        with pytest.raises(CheckpointError, match=r"\.distcp' is damaged: 'w'"):
+            sharded.read_tensors(tmp_path, {"w": target}, views=views)
+        assert torch.equal(target, torch.zeros(64, 64))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_load_reads_the_weights_through_the_mapping_and_keeps_nothing_mapped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    acc = Accelerator(accelerator="cpu", devices=1)
+    acc.launch()
+    acc.strategy.state_dict_type = "sharded"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = acc.setup(model, optimizer)
+    acc.backward(model(torch.randn(4, 32)).sum())
+    optimizer.step()
+    acc.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer})
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items()}
+
+    viewed = []
+    original = reader._Mapped.view
+    monkeypatch.setattr(reader._Mapped, "view", lambda self, *a: viewed.append(1) or original(self, *a))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)  # no state yet: the moments are read
+    acc.load(tmp_path / "ckpt", {"model": model, "optimizer": fresh})
+    gc.collect()
+    assert len(viewed) == len(expected)  # every weight read through the mapping
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(v, moments[k]) for k, v in fresh.state_dict()["state"][0].items())
+    assert not _mapped_files(tmp_path)  # optimizer state is held in memory, never in a mapped file
