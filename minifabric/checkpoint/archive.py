@@ -53,7 +53,12 @@ class NotPlain(Exception):
     """The archive holds something other than one plain CPU tensor: read it with ``torch.load``."""
 
 
-def _rebuild(storage: Any, storage_offset: int, size: Any, stride: Any, *rest: Any) -> tuple:
+def _rebuild(
+    storage: Any, storage_offset: int, size: Any, stride: Any, requires_grad: Any = False, hooks: Any = None,
+    metadata: Any = None, *rest: Any,
+) -> tuple:  # fmt: skip
+    if metadata or rest:  # e.g. {"conj": True}: the stored values are not the tensor's values
+        raise NotPlain(f"tensor metadata {metadata!r}")
     return storage, storage_offset, tuple(size), tuple(stride)
 
 

@@ -32,6 +32,7 @@ from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
@@ -110,6 +111,14 @@ class _Mapped:
         self._map: mmap.mmap | None = None
         self._usable = True
 
+    def close(self) -> None:
+        """Unmap the file now, unless a view of it is still alive (then it is unmapped with the last one)."""
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass
+
     def view(self, saved: Saved, item: ReadItem) -> torch.Tensor | None:
         """The region ``item`` of ``saved`` as a tensor over the mapped file, or None where it is not contiguous."""
         count = math.prod(item.lengths)
@@ -155,7 +164,11 @@ class SafeReader(FileSystemReader):
                 metadata = _MetadataUnpickler(f).load()
         except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as err:
             raise CheckpointError(f"{str(path)!r} is not valid checkpoint metadata: {err}") from err
-        if getattr(metadata, "storage_meta", None) is not None:
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(
+                f"{str(path)!r} is not valid checkpoint metadata: it holds {type(metadata).__name__}."
+            )
+        if metadata.storage_meta is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata
 
@@ -169,34 +182,61 @@ class SafeReader(FileSystemReader):
         for item in plan.items:
             per_file.setdefault(infos[item.storage_index].relative_path, []).append(item)
             items_per_key[item.dest_index.fqn] = items_per_key.get(item.dest_index.fqn, 0) + 1
-        for relative_path, items in per_file.items():
-            path = Path(self.path) / relative_path
-            with open(path, "rb", buffering=0) as file:
-                size = os.fstat(file.fileno()).st_size
-                mapped = _Mapped(file)
-                located: dict[int, Saved | None] = {}
-                items.sort(key=lambda i: infos[i.storage_index].offset)
-                _read_ahead(file, [infos[item.storage_index] for item in items])
-                for item in items:
-                    info = infos[item.storage_index]
-                    key = item.dest_index.fqn
-                    may_view = key in self._views and items_per_key[key] == 1
-                    try:
-                        if info.offset + info.length > size:
-                            raise EOFError(
-                                f"the file ends at byte {size}, the item at {info.offset + info.length}"
-                            )
-                        tensor = item.type != LoadItemType.BYTE_IO
-                        saved = _saved(file, info, located) if tensor else None
-                        if not (may_view and _view_into(mapped, saved, item, planner)):
-                            _read_item(file, info, saved, item, planner)
-                    except (zipfile.BadZipFile, EOFError, OSError) as err:
-                        raise CheckpointError(
-                            f"{str(path)!r} is damaged: {key!r} at byte {info.offset} cannot be read ({err})."
-                        ) from err
+        replaced: dict[str, Any] = {}  # the targets that views stand in for
+        maps: list[_Mapped] = []
+        try:
+            for relative_path, items in per_file.items():
+                self._read_file(
+                    Path(self.path) / relative_path, items, items_per_key, planner, replaced, maps
+                )
+        except BaseException:
+            planner.state_dict.update(replaced)  # type: ignore[attr-defined]  # drop every view: no file stays mapped
+            replaced.clear()
+            for mapped in maps:
+                mapped.close()
+            raise
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def _read_file(
+        self,
+        path: Path,
+        items: list[ReadItem],
+        items_per_key: dict[str, int],
+        planner: LoadPlanner,
+        replaced: dict[str, Any],
+        maps: list[_Mapped],
+    ) -> None:
+        """Read ``items`` of one shard file, in file order."""
+        infos = self.storage_data
+        with open(path, "rb", buffering=0) as file:
+            size = os.fstat(file.fileno()).st_size
+            mapped = _Mapped(file)
+            maps.append(mapped)
+            located: dict[int, Saved | None] = {}
+            items.sort(key=lambda i: infos[i.storage_index].offset)
+            _read_ahead(file, [infos[item.storage_index] for item in items])
+            for item in items:
+                info = infos[item.storage_index]
+                key = item.dest_index.fqn
+                may_view = key in self._views and items_per_key[key] == 1
+                try:
+                    if info.offset + info.length > size:
+                        raise EOFError(
+                            f"the file ends at byte {size}, the item at {info.offset + info.length}"
+                        )
+                    tensor = item.type != LoadItemType.BYTE_IO
+                    saved = _saved(file, info, located) if tensor else None
+                    target = planner.state_dict.get(key)  # type: ignore[attr-defined]
+                    if may_view and _view_into(mapped, saved, item, planner):
+                        replaced[key] = target
+                    else:
+                        _read_item(file, info, saved, item, planner)
+                except (zipfile.BadZipFile, EOFError, OSError) as err:
+                    raise CheckpointError(
+                        f"{str(path)!r} is damaged: {key!r} at byte {info.offset} cannot be read ({err})."
+                    ) from err
 
 
 def _read_ahead(file: io.FileIO, infos: list[Any]) -> None:

@@ -9,7 +9,7 @@ as they were.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,12 +87,16 @@ def _resolver(obj: Any) -> Resolver:
     return lambda path: None
 
 
-def materialize(opened: Opened, wanted: dict[str, Resolver], views: Collection[str] = ()) -> dict[str, Any]:
+def materialize(
+    opened: Opened, wanted: dict[str, Resolver], views: Mapping[str, Collection[str]] | None = None
+) -> dict[str, Any]:
     """The saved trees of ``wanted`` entries with real tensors, each laid out like its live counterpart.
 
-    The tensors of the entries named in ``views`` may come back as views of the mapped shard files:
-    pass only entries whose tensors are copied out (into a live module) and then dropped.
+    ``views`` maps an entry to the keys of its state dict that may come back as views of the mapped
+    shard files: name only tensors that are copied out (into a module's parameters and buffers)
+    and then dropped.
     """
+    views = views or {}
     targets: dict[str, Any] = {}
     mapped: set[str] = set()
 
@@ -100,7 +104,7 @@ def materialize(opened: Opened, wanted: dict[str, Resolver], views: Collection[s
         def leaf(path: tuple, value: Any) -> Any:
             if is_ref(value):
                 targets[value[TENSOR_REF]] = empty_target(value, resolve(path))
-                if name in views:
+                if len(path) == 1 and path[0] in views.get(name, ()):
                     mapped.add(value[TENSOR_REF])
                 return value
             if isinstance(value, torch.Tensor):
@@ -239,8 +243,18 @@ def _read(opened: Opened, state: dict[str, Any], comm: Comm) -> dict[str, Any]:
     for key in opened.tree:
         if key not in wanted and (kinds.get(key) in ("module", "optimizer") or _has_refs(opened.tree[key])):
             wanted[key] = _resolver(state.get(key)) if key in state or spread is None else lambda path: spread
-    modules = [key for key, value in state.items() if isinstance(value, nn.Module) and key in wanted]
-    return materialize(opened, wanted, views=modules)
+    views = {key: _copied_names(value) for key, value in state.items() if isinstance(value, nn.Module)}
+    return materialize(opened, wanted, views=views)
+
+
+def _copied_names(module: nn.Module) -> set[str]:
+    """The state-dict keys that ``load_state_dict`` copies into ``module``: its parameters and buffers.
+
+    Not its extra state, which ``set_extra_state`` may keep as given.
+    """
+    params = module.named_parameters(remove_duplicate=False)
+    buffers = module.named_buffers(remove_duplicate=False)
+    return {name for name, _ in params} | {name for name, _ in buffers}
 
 
 def _has_refs(tree: Any) -> bool:

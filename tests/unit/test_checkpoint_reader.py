@@ -146,3 +146,72 @@ def test_load_reads_the_weights_through_the_mapping_and_keeps_nothing_mapped(
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
     assert all(torch.equal(v, moments[k]) for k, v in fresh.state_dict()["state"][0].items())
     assert not _mapped_files(tmp_path)  # optimizer state is held in memory, never in a mapped file
+
+
+def test_a_tensor_with_the_conjugate_or_negative_bit_is_read_as_its_values(tmp_path: Path) -> None:
+    """The stored values of a conjugated view are the unconjugated ones: such records go to ``torch.load``."""
+    saved = {"conj": torch.tensor([1 + 2j, 3 - 4j]).conj(), "w": torch.randn(4, 4)}
+    _save(tmp_path, saved)
+    for views in ((), set(saved)):
+        targets = {key: torch.zeros_like(value.resolve_conj()) for key, value in saved.items()}
+        sharded.read_tensors(tmp_path, targets, views=views)
+        assert torch.equal(targets["conj"], saved["conj"].resolve_conj()) and torch.equal(
+            targets["w"], saved["w"]
+        )
+
+
+class _KeepsExtraState(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+        self.stats = torch.zeros(4096)
+
+    def get_extra_state(self) -> torch.Tensor:
+        return self.stats
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        self.stats = state  # keeps the tensor it is given
+
+
+def _single(tmp_path: Path) -> Accelerator:
+    acc = Accelerator(accelerator="cpu", devices=1)
+    acc.launch()
+    acc.strategy.state_dict_type = "sharded"
+    return acc
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_extra_state_kept_by_the_module_is_not_a_view_of_the_file(tmp_path: Path) -> None:
+    acc = _single(tmp_path)
+    model = _KeepsExtraState()
+    model.stats += 3
+    acc.save(tmp_path / "ckpt", {"model": model})
+    fresh = _KeepsExtraState()
+    acc.load(tmp_path / "ckpt", {"model": fresh})
+    gc.collect()
+    assert torch.equal(fresh.stats, model.stats) and torch.equal(fresh.layer.weight, model.layer.weight)
+    assert not _mapped_files(tmp_path)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_a_failed_read_leaves_no_file_mapped_and_the_model_unchanged(tmp_path: Path) -> None:
+    acc = _single(tmp_path)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
+    optimizer = torch.optim.AdamW(model.parameters())
+    acc.backward(model(torch.randn(2, 64)).sum())
+    optimizer.step()
+    acc.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer})
+    shard = next((tmp_path / "ckpt").glob("v*/*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[-2048:] = bytes(2048)  # the optimizer's records, read after the model's weights were mapped
+    shard.write_bytes(bytes(data))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    gc.disable()
+    try:
+        with pytest.raises(CheckpointError, match="damaged"):
+            acc.load(tmp_path / "ckpt", {"model": model, "optimizer": optimizer})
+        assert not _mapped_files(tmp_path)
+    finally:
+        gc.enable()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
