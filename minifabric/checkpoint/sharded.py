@@ -128,8 +128,8 @@ class _SafePlanner(DefaultLoadPlanner):
 def read_tensors(path: Path, targets: dict[str, Any], views: Collection[str] = ()) -> None:
     """Fill ``targets`` (``{key: fresh tensor}``, DTensors get their shard) from the DCP files at ``path``.
 
-    A key in ``views`` may instead get a read-only-in-spirit view of the mapped shard file in place
-    of its target (the caller copies it into the model and drops it). A non-tensor value stored by
+    A key in ``views`` may instead get a view of the mapped shard file in place of its target
+    (copy-on-write, never written back; the caller copies it into the model and drops it). A non-tensor value stored by
     DCP (Fabric's folders have some) replaces its placeholder in ``targets``.
 
     Each rank plans and reads its own part without collectives; the caller agrees on the outcome.
