@@ -79,24 +79,30 @@ def _region(saved: Saved, item: ReadItem) -> tuple[int, int]:
     return first, span
 
 
+def _run_start(saved: Saved, item: ReadItem) -> int | None:
+    """The file offset of the region ``item`` when it is one run of bytes in row-major order, else None."""
+    first, span = _region(saved, item)
+    if span != math.prod(item.lengths) or saved.stride != _contiguous_strides(saved.size):
+        return None
+    return saved.data_offset + first * saved.dtype.itemsize
+
+
 def _read_region(file: io.FileIO, saved: Saved, item: ReadItem, target: torch.Tensor) -> None:
     """Copy the region ``item`` of the saved tensor into ``target`` (its shape): directly when it can."""
     if target.numel() == 0:
         return
-    first, span = _region(saved, item)
-    direct = (
-        span == target.numel()
-        and saved.stride == _contiguous_strides(saved.size)
+    start = _run_start(saved, item)
+    if (
+        start is not None
         and target.dtype == saved.dtype
         and target.device.type == "cpu"
         and target.is_contiguous()
-    )
-    offset = saved.data_offset + first * saved.dtype.itemsize
-    if direct:
-        read_exactly(file, offset, byte_view(target))
+    ):
+        read_exactly(file, start, byte_view(target))
         return
+    first, span = _region(saved, item)
     buffer = torch.empty(span, dtype=saved.dtype)
-    read_exactly(file, offset, byte_view(buffer))
+    read_exactly(file, saved.data_offset + first * saved.dtype.itemsize, byte_view(buffer))
     target.copy_(buffer.as_strided(tuple(item.lengths), saved.stride))
 
 
@@ -121,9 +127,9 @@ class _Mapped:
 
     def view(self, saved: Saved, item: ReadItem) -> torch.Tensor | None:
         """The region ``item`` of ``saved`` as a tensor over the mapped file, or None where it is not contiguous."""
+        start = _run_start(saved, item)
         count = math.prod(item.lengths)
-        first, span = _region(saved, item)
-        if not self._usable or count == 0 or span != count or saved.stride != _contiguous_strides(saved.size):
+        if not self._usable or count == 0 or start is None:
             return None
         if self._map is None:
             try:
@@ -132,7 +138,6 @@ class _Mapped:
                 self._usable = False
                 return None
         mapped = self._map
-        start = saved.data_offset + first * saved.dtype.itemsize
         nbytes = count * saved.dtype.itemsize
         page = start - start % mmap.PAGESIZE
         if sys.platform.startswith("linux"):
@@ -228,9 +233,9 @@ class SafeReader(FileSystemReader):
                         )
                     tensor = item.type != LoadItemType.BYTE_IO
                     saved = _saved(file, info, located) if tensor else None
-                    target = planner.state_dict.get(key)  # type: ignore[attr-defined]
-                    if may_view and _view_into(mapped, saved, item, planner):
-                        replaced[key] = target
+                    original = _view_into(mapped, saved, item, planner) if may_view else None
+                    if original is not None:
+                        replaced[key] = original
                     else:
                         _read_item(file, info, saved, item, planner)
                 except (zipfile.BadZipFile, EOFError, OSError) as err:
@@ -257,21 +262,21 @@ def _saved(file: io.FileIO, info: Any, located: dict[int, Saved | None]) -> Save
     return located[info.offset]
 
 
-def _view_into(mapped: _Mapped, saved: Saved | None, item: ReadItem, planner: Any) -> bool:
-    """Put a view of the mapped file in place of the target when the item is all of it; whether it did."""
+def _view_into(mapped: _Mapped, saved: Saved | None, item: ReadItem, planner: Any) -> Any:
+    """Put a view of the mapped file in place of the target when the item is all of it; return the target it replaced."""
     if saved is None:
-        return False
+        return None
     key = item.dest_index.fqn
     target = planner.state_dict[key]
     local = target.to_local() if isinstance(target, DTensor) else target
     whole = all(o == 0 for o in item.dest_offsets) and tuple(local.shape) == tuple(item.lengths)
     if not (whole and local.device.type == "cpu" and local.dtype == saved.dtype):
-        return False
+        return None
     view = mapped.view(saved, item)
     if view is None:
-        return False
+        return None
     planner.state_dict[key] = shard_like(view, target) if isinstance(target, DTensor) else view
-    return True
+    return target
 
 
 def _read_item(file: io.FileIO, info: Any, saved: Saved | None, item: ReadItem, planner: LoadPlanner) -> None:

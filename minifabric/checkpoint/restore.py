@@ -98,14 +98,14 @@ def materialize(
     """
     views = views or {}
     targets: dict[str, Any] = {}
-    mapped: set[str] = set()
+    viewable: set[str] = set()
 
     def entry(name: str, resolve: Resolver) -> Any:
         def leaf(path: tuple, value: Any) -> Any:
             if is_ref(value):
                 targets[value[TENSOR_REF]] = empty_target(value, resolve(path))
                 if len(path) == 1 and path[0] in views.get(name, ()):
-                    mapped.add(value[TENSOR_REF])
+                    viewable.add(value[TENSOR_REF])
                 return value
             if isinstance(value, torch.Tensor):
                 return place(value, resolve(path))
@@ -115,7 +115,7 @@ def materialize(
 
     out = {name: entry(name, resolve) for name, resolve in wanted.items()}
     if opened.sharded:
-        sharded.read_tensors(opened.path, targets, views=mapped)
+        sharded.read_tensors(opened.path, targets, views=viewable)
     return map_tree(out, lambda path, value: targets[value[TENSOR_REF]] if is_ref(value) else value)
 
 
