@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from minifabric.strategies.meta_init import has_meta_parameters
+from minifabric.init import has_meta_tensors
 from minifabric.wrappers import _WrappedModule, _WrappedOptimizer
 
 
@@ -69,7 +69,7 @@ def check_state(state: Any, keep_last: Any = None) -> None:
         if not isinstance(key, str):
             raise TypeError(f"state keys must be strings, got {key!r}.")
     for key, value in state.items():
-        if isinstance(value, nn.Module) and has_meta_parameters(value):
+        if isinstance(value, nn.Module) and has_meta_tensors(value):
             raise RuntimeError(
                 f"state[{key!r}] still has meta parameters: call `acc.setup(model)` before saving it."
             )

@@ -8,13 +8,14 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = [
     "check_torch_version",
@@ -30,7 +31,12 @@ __all__ = [
     "module_registration_hooks",
     "register_global_step_pre_hook",
     "return_freed_memory",
+    "seeded_op_probe",
     "split_compiled",
+    "storage_key",
+    "swapping_module_params",
+    "torch_init_call",
+    "tree_flatten",
     "tree_map",
 ]
 
@@ -254,3 +260,98 @@ def hold_state_changes(ready: Any, modules: list[nn.Module]) -> list[Any]:
             if any(True for _ in sub.buffers(recurse=False)):
                 handles.append(sub.register_forward_pre_hook(hold))
     return handles
+
+
+# ---- meta-device init (minifabric/init/) ------------------------------------------------------------
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """A key of the memory ``t`` views: equal for every view of one tensor (meta tensors included).
+
+    Tensor subclasses without a storage get ``id(t)``.
+    """
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return id(t)
+
+
+@contextmanager
+def swapping_module_params() -> Iterator[None]:
+    """Inside, ``nn.Module._apply`` (``to_empty``, ``to``) keeps each ``Parameter`` object and swaps its contents.
+
+    A process-wide switch of torch, restored on exit. FSDP2 needs it to re-point its sharded
+    parameters at new storage, and keeping the objects keeps tied weights one parameter and an
+    optimizer built before ``setup`` bound to the model.
+    """
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+
+
+class _SeededOpProbe:
+    """Collects the ATen ops tagged ``nondeterministic_seeded`` (they draw from a generator) run inside it."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        probe = self
+        self.seeded: list[str] = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                if torch.Tag.nondeterministic_seeded in func.tags:
+                    probe.seeded.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+
+    def __enter__(self) -> _SeededOpProbe:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+
+
+def seeded_op_probe() -> _SeededOpProbe:
+    """A context manager whose ``.seeded`` lists the random ATen ops run inside it.
+
+    Whether an op draws random numbers is decided by ATen's own op tag
+    (``torch.Tag.nondeterministic_seeded``), not by a list of names, so new or rare random ops
+    (``poisson``, ``binomial``, ``_standard_gamma``, ``alpha_dropout``) are seen too. It works on
+    meta tensors: the op is seen before its (no-op) meta kernel runs.
+    """
+    return _SeededOpProbe()
+
+
+_INIT_FILE = torch.nn.init.__file__
+
+
+def torch_init_call(skip_files: tuple[str, ...] = ()) -> tuple[Callable, dict[str, Any]] | None:
+    """The outermost ``torch.nn.init`` function running on the caller's stack, and its arguments.
+
+    Walks up the Python stack from the caller (frames of ``skip_files`` and of ``torch.overrides``
+    skipped) and takes the outermost of the consecutive frames whose code lives in
+    ``torch/nn/init.py``. The function is rebuilt from that frame's code object, never looked up by
+    name, so a wrapper or monkeypatch bound in its place (transformers wraps ``trunc_normal_`` and
+    others while it initializes weights) cannot make minifabric record something else than what
+    ran. The arguments are the frame's parameters as they are at the time of the call.
+    Returns None when no such frame is on the stack.
+    """
+    frame: types.FrameType | None = sys._getframe(1)
+    skip = (*skip_files, torch.overrides.__file__)
+    while frame is not None and frame.f_code.co_filename in skip:
+        frame = frame.f_back
+    outer = None
+    while frame is not None and frame.f_code.co_filename == _INIT_FILE:
+        outer, frame = frame, frame.f_back
+    if outer is None or outer.f_code.co_freevars:
+        return None
+    code = outer.f_code
+    fn = types.FunctionType(code, outer.f_globals, code.co_name)
+    names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+    return fn, {n: outer.f_locals[n] for n in names if n in outer.f_locals}

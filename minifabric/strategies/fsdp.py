@@ -1,7 +1,7 @@
 """Fully sharded data parallel on FSDP2: each rank holds 1/N of parameters, gradients and optimizer state.
 
 The wiring is done by plain functions (:mod:`~minifabric.strategies.fsdp_wrap` for the mesh and
-``fully_shard``, :mod:`~minifabric.strategies.fsdp_init` for sharded meta-device init,
+``fully_shard``, :func:`minifabric.init.materialize` for sharded meta-device init,
 :mod:`~minifabric.strategies.fsdp_grads` for clipping); this class only chooses and orders them.
 """
 
@@ -23,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from torch.optim import Optimizer
 
 from minifabric.environment import DEFAULT_TIMEOUT
+from minifabric.init import keeping_init_records, materialize, recorded_places
 from minifabric.strategies.compile import (
     CompileOption,
     Compiler,
@@ -31,7 +32,6 @@ from minifabric.strategies.compile import (
     split_compiled,
 )
 from minifabric.strategies.fsdp_grads import clip_grad_norm_
-from minifabric.strategies.fsdp_init import materialize_sharded
 from minifabric.strategies.fsdp_options import broadcast_module_states, translate_fabric_options
 from minifabric.strategies.fsdp_wrap import (
     ShardingStr,
@@ -46,7 +46,6 @@ from minifabric.strategies.fsdp_wrap import (
     shard_module,
     sharded_submodules,
 )
-from minifabric.strategies.meta_init import init_places, keeping_init_records
 from minifabric.strategies.rebind import optimizer_parameters
 from minifabric.strategies.strategy import Strategy
 
@@ -193,7 +192,7 @@ class FSDPStrategy(Strategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Shard ``module`` in place (blocks, then root) and materialize it if it was built on meta."""
         module, compiler = self._compiler(module)
-        places = init_places(module)  # raises before any collective if an init cannot be reproduced
+        places = recorded_places(module)  # raises before any collective if an init cannot be reproduced
         if self.sync_module_states and not places and not isinstance(module, FSDPModule):
             broadcast_module_states(module, self.root_device)
         module = self.precision.convert_module(module)
@@ -213,7 +212,7 @@ class FSDPStrategy(Strategy):
         if places:
             # With CPU offload FSDP keeps the sharded parameters in CPU memory: materialize them there.
             param_device = torch.device("cpu") if self.cpu_offload else self.root_device
-            materialize_sharded(module, places, param_device, self.root_device)
+            materialize(module, places, param_device, self.root_device)
         return module
 
     def _compiler(self, module: nn.Module) -> tuple[nn.Module, Compiler | None]:

@@ -25,8 +25,8 @@ from torch.distributed.fsdp import (
 )
 
 from minifabric._torch import checkpoint_activations
+from minifabric.init import tied_parameters
 from minifabric.precision import Precision
-from minifabric.strategies.meta_init import tied_parameters
 
 log = logging.getLogger(__name__)
 _CHECKPOINTED = "_minifabric_checkpointed"

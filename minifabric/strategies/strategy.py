@@ -24,6 +24,7 @@ from minifabric import collectives, signals
 from minifabric._torch import return_freed_memory
 from minifabric.checkpoint.options import CheckpointOptions
 from minifabric.environment import DEFAULT_TIMEOUT, LocalEnvironment, default_backend, share_cpu_cores
+from minifabric.init import materialize, meta_init_context
 from minifabric.launcher import JoinLauncher, Launcher, LocalLauncher
 from minifabric.lifecycle import Lifecycle, collective_timeout
 from minifabric.precision import Precision
@@ -34,7 +35,6 @@ from minifabric.strategies.compile import (
     resolve_compiler,
     split_compiled,
 )
-from minifabric.strategies.meta_init import materialize, meta_init_context
 from minifabric.strategies.rebind import optimizer_parameters
 
 if TYPE_CHECKING:
@@ -187,7 +187,7 @@ class Strategy:
 
     def _place_module(self, module: nn.Module) -> nn.Module:
         """Materialize, convert precision and move to device (subclasses wrap the result)."""
-        materialize(module, self.root_device)
+        materialize(module, device=self.root_device)
         module = self.precision.convert_module(module)
         return module.to(self.root_device)
 

@@ -221,3 +221,24 @@ def test_the_recorder_is_gone_after_the_context(acc):
     assert not torch.empty(2).is_meta
     assert nn.Module.register_parameter.__module__ == "torch.nn.modules.module"
     assert not torch.overrides._is_torch_function_mode_enabled()
+
+
+def test_the_init_package_imports_nothing_above_it():
+    """``minifabric/init`` sits below the strategies and the facade: it imports neither."""
+    import ast
+    from pathlib import Path
+
+    import minifabric.init
+
+    allowed = ("minifabric._torch", "minifabric.init")
+    for path in Path(minifabric.init.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                if name.startswith("minifabric"):
+                    assert name.startswith(allowed), f"{path.name} imports {name}"
+                assert not name.startswith("torch._") and ".._" not in name, f"{path.name} imports {name}"
+                assert not any(
+                    part.startswith("_") for part in name.split(".")[1:] if name.startswith("torch")
+                ), f"{path.name} imports private torch {name}"

@@ -1,0 +1,37 @@
+"""Meta-device init: build a model without memory, record its init, replay it at ``setup``.
+
+``acc.init_module(empty_init=True)`` enters :func:`meta_init_context`; ``setup`` calls
+:func:`recorded_places` (every meta tensor must have a replayable record, checked before anything
+changes) and :func:`materialize` (storage and eager-construction values, tensor by tensor, each
+rank keeping only its part of a DTensor). The pieces, bottom to top:
+
+- :mod:`~minifabric.init.recipe`: the data model (what a tensor's value is made of).
+- :mod:`~minifabric.init.record`: the ``TorchFunctionMode`` that records it.
+- :mod:`~minifabric.init.replay`: computing a value from its recipe.
+- :mod:`~minifabric.init.context`: the ``init_module`` context.
+- :mod:`~minifabric.init.materialize`: the ``setup`` side, for plain tensors and DTensors alike.
+
+This package imports nothing from ``minifabric.strategies`` or the facade; strategies call it.
+"""
+
+from minifabric.init.context import keeping_init_records, meta_init_context, paused_recording
+from minifabric.init.materialize import (
+    Place,
+    has_init_records,
+    has_meta_tensors,
+    materialize,
+    recorded_places,
+    tied_parameters,
+)
+
+__all__ = [
+    "Place",
+    "has_init_records",
+    "has_meta_tensors",
+    "keeping_init_records",
+    "materialize",
+    "meta_init_context",
+    "paused_recording",
+    "recorded_places",
+    "tied_parameters",
+]

@@ -1,0 +1,103 @@
+"""The ``init_module(empty_init=True)`` context: parameters are born on the meta device, init is recorded.
+
+Inside :func:`meta_init_context` every floating-point parameter is created on the meta device (no
+memory) and every init the model's ``__init__`` applies to it (``self.apply(_init_weights)``,
+``nn.init.*``, ``w.data.normal_()``, ``reset_parameters()``) is recorded by a
+:class:`~minifabric.init.record.Recorder`. Buffers computed in ``__init__`` are created for real, as
+in eager construction. :func:`~minifabric.init.materialize.materialize` turns the records into
+values at ``setup``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager as ContextManager
+from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
+
+import torch
+from torch import nn
+
+from minifabric._torch import module_registration_hooks
+from minifabric.init.recipe import RECORDS, Base, Handle, handle_of, module_record
+from minifabric.init.record import Recorder
+
+_RECORDER: ContextVar[Recorder | None] = ContextVar("minifabric_init_recorder", default=None)
+
+
+@contextmanager
+def meta_init_context() -> Iterator[None]:
+    """Create parameters on the meta device and record how ``__init__`` initializes them.
+
+    Example:
+        >>> import torch
+        >>> from minifabric.init import meta_init_context, materialize
+        >>> with meta_init_context():
+        ...     layer = torch.nn.Linear(4, 4)
+        >>> layer.weight.is_meta
+        True
+        >>> materialize(layer)
+        >>> layer.weight.is_meta
+        False
+    """
+    recorder = Recorder()
+
+    def on_parameter(module: nn.Module, name: str, param: nn.Parameter) -> nn.Parameter:
+        with recorder.paused_recording():
+            recorder.check_parameter(module, name, param)
+            if recorder.lookup(param) is None and not param.is_meta:
+                # Created for real (torch.ones, torch.randn, ...): keep that value, hold no storage.
+                meta = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
+                recorder.track(meta, Base(param.shape, param.dtype, "value", value=param.detach()))
+                param = meta
+            _remember(module, name, recorder.lookup(param))
+        return param
+
+    def on_buffer(module: nn.Module, name: str, buffer: torch.Tensor) -> torch.Tensor:
+        with recorder.paused_recording():
+            _remember(module, name, recorder.lookup(buffer))
+        return buffer
+
+    token = _RECORDER.set(recorder)
+    try:
+        with module_registration_hooks(on_parameter, on_buffer), recorder:
+            yield
+    finally:
+        _RECORDER.reset(token)
+
+
+def _remember(module: nn.Module, name: str, handle: Handle | None) -> None:
+    # Also kept by place, for when `fully_shard` or `copy.deepcopy` replaces the tensor before `setup`.
+    record = module_record(module, create=handle is not None)
+    if record is None:
+        return
+    if handle is None:
+        record.pop(name, None)
+    else:
+        record[name] = handle
+
+
+def paused_recording() -> ContextManager:
+    """Inside, torch calls are not recorded (e.g. ``fully_shard`` run by ``wrap`` in ``init_module``)."""
+    recorder = _RECORDER.get()
+    return recorder.paused_recording() if recorder is not None else nullcontext()
+
+
+@contextmanager
+def keeping_init_records(module: nn.Module) -> Iterator[None]:
+    """Around a call that replaces ``module``'s parameters (``fully_shard``): the new ones keep their init.
+
+    Init applied to the new parameters afterwards (still inside ``init_module``) is recorded too.
+    """
+    saved = [
+        (sub, name, handle)
+        for sub in module.modules()
+        for name, p in sub._parameters.items()
+        if (handle := handle_of(p)) is not None
+    ]
+    with paused_recording():
+        yield
+    for sub, name, handle in saved:
+        new = sub._parameters[name]
+        if new is not None and handle_of(new) is None:
+            RECORDS[new] = handle

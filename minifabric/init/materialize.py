@@ -1,0 +1,219 @@
+"""Materialization at ``setup``: every recorded meta tensor gets its eager-construction value.
+
+:func:`recorded_places` checks, before anything is changed (and so before any collective), that
+every meta tensor of a model has a replayable record. :func:`materialize` then gives each meta
+tensor storage and its value, one tensor at a time, and leaves real tensors alone (a pretrained
+part loaded with ``load_state_dict(..., assign=True)`` into a meta-built model is kept).
+
+It is the one walk for every strategy: a parameter may be a plain tensor (one process, DDP) or a
+DTensor with any placements on any mesh (FSDP's ``Shard(0)``, tensor parallel's
+``Shard``/``Replicate``, the ``_StridedShard`` of FSDP over tensor parallel on a 2-D mesh). Its full
+value is computed on the CPU (:func:`~minifabric.init.replay.evaluate`), then cut to this rank's
+part with ``distribute_tensor(..., src_data_rank=None)``, which splits locally, without
+communication, by the DTensor's own placement rules. Random init cannot run on the shards
+directly: torch's sharded random-number tracker does not run on the CPU, so every rank would fill
+its part from the same stream. Only one tensor exists at full size at a time, so the peak per rank
+is its shards plus the largest parameter.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from minifabric._torch import swapping_module_params
+from minifabric.init.recipe import Handle, Real, Ref, forget_records, handle_of, module_record
+from minifabric.init.replay import apply_chain, evaluate, resolver
+
+#: (module, attribute name, is a parameter, recorded init) for every meta tensor of a model.
+Place = tuple[nn.Module, str, bool, Handle]
+#: Called with a tensor's qualified name and its full eager value, as each is computed.
+OnValue = Callable[[str, torch.Tensor], None]
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` still lives on the meta device."""
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def has_init_records(module: nn.Module) -> bool:
+    """Whether ``module`` was built (in part) inside ``init_module(empty_init=True)``."""
+    return any(module_record(sub) for sub in module.modules()) or any(
+        handle_of(t) is not None for t in (*module.parameters(), *module.buffers())
+    )
+
+
+def _handle_at(sub: nn.Module, name: str, t: torch.Tensor) -> Handle | None:
+    handle = handle_of(t)
+    if handle is None:
+        record: dict[str, Handle] = module_record(sub) or {}
+        handle = record.get(name)
+        if handle is not None and _shape(handle) != t.shape:
+            return None
+    return handle
+
+
+def _shape(handle: Handle) -> torch.Size:
+    if not handle.chain:
+        return handle.base.shape
+    meta = torch.empty(handle.base.shape, dtype=handle.base.dtype, device="meta")
+    return apply_chain(meta, handle.chain, lambda v: _meta_value(v)).shape
+
+
+def _meta_value(v: Any) -> Any:
+    if isinstance(v, Ref):
+        return torch.empty(_shape(v.handle), dtype=v.handle.base.dtype, device="meta")
+    return v.tensor if isinstance(v, Real) else v
+
+
+def recorded_places(module: nn.Module) -> list[Place]:
+    """Every meta parameter and buffer of ``module`` with its recorded init.
+
+    Raises:
+        ValueError: a meta tensor whose init cannot be reproduced (named, with the fix), before
+            anything is changed: call it on every rank before any collective.
+    """
+    places: list[Place] = []
+    root = type(module).__name__
+    for prefix, sub in module.named_modules():
+        for is_param, tensors in ((True, sub._parameters), (False, sub._buffers)):
+            for name, t in tensors.items():
+                if t is None or not t.is_meta:
+                    continue
+                label = f"{'parameter' if is_param else 'buffer'} {f'{prefix}.{name}' if prefix else name!r}"
+                where = f"{label} of {root} (in {type(sub).__name__})"
+                handle = _handle_at(sub, name, t)
+                if handle is None:
+                    raise ValueError(
+                        f"The {where} is on the meta device but was not created inside"
+                        " `acc.init_module(empty_init=True)`, so its init is unknown. Build the whole model"
+                        " inside it: `with acc.init_module(empty_init=True): model = Model()`."
+                    )
+                base = handle.base
+                if base.problem is not None:
+                    raise ValueError(
+                        f"The init of the {where} cannot be reproduced after `init_module(empty_init=True)`:"
+                        f" {base.problem}. Initialize it with `torch.nn.init` functions or in-place ops"
+                        " on the parameter (e.g. `torch.nn.init.normal_(self.weight, std=0.02)`), or build this"
+                        " model with `acc.init_module(empty_init=False)`."
+                    )
+                if is_param and not base.written:
+                    made = "`torch.empty`" if not handle.chain else "a view of `torch.empty`"
+                    raise ValueError(
+                        f"The {where} is created with {made} (or `new_empty`/`empty_like`) and never"
+                        " initialized in `__init__`: eager construction leaves it as uninitialized memory,"
+                        f" so there is no value to reproduce. Initialize it in `{type(sub).__name__}.__init__`,"
+                        f" e.g. `torch.nn.init.normal_(self.{name}, std=0.02)`, or call"
+                        " `self.reset_parameters()` (or the root's `self.init_weights()`) at the end of"
+                        " `__init__`."
+                    )
+                places.append((sub, name, is_param, handle))
+    return places
+
+
+def _value(handle: Handle) -> torch.Tensor:
+    value = evaluate(handle.base)
+    return apply_chain(value, handle.chain, resolver()) if handle.chain else value
+
+
+def materialize(
+    module: nn.Module,
+    places: list[Place] | None = None,
+    device: torch.device | str = "cpu",
+    buffer_device: torch.device | str | None = None,
+    on_value: OnValue | None = None,
+) -> None:
+    """Give every meta parameter and buffer of ``module`` storage and its eager-construction value.
+
+    Works parameter by parameter for plain tensors and for DTensors of any placement on any mesh:
+    a DTensor gets storage for its local part only, filled with this rank's part of the full value
+    (see the module docstring); its ``Parameter`` object is kept (FSDP2 re-points its shards at the
+    new storage). A plain meta tensor is replaced by a new one (tied weights stay one parameter).
+    Real tensors are kept. No communication.
+
+    Args:
+        module: the model, after any sharding (``fully_shard``, ``parallelize_module``).
+        places: :func:`recorded_places` taken before sharding (so errors were raised before any
+            collective); taken now when None.
+        device: where parameters are materialized (the CPU when FSDP offloads them).
+        buffer_device: where buffers are materialized (default: ``device``).
+        on_value: called with each tensor's qualified name and full value (the self-check).
+    """
+    places = recorded_places(module) if places is None else places
+    buffer_device = device if buffer_device is None else buffer_device
+    if not places:
+        return
+
+    def allocate(t: torch.Tensor) -> torch.Tensor:
+        if not (t.is_meta and _is_dtensor(t)):
+            return t
+        return torch.empty_like(t, device=device if isinstance(t, nn.Parameter) else buffer_device)
+
+    forget_records(module)  # the registry's weak references would stop the swap
+    if any(_is_dtensor(t) and t.is_meta for t in (*module.parameters(), *module.buffers())):
+        with swapping_module_params():  # DTensors: FSDP2 re-points its shards at the new storage
+            module._apply(allocate)
+    names = _qualified_names(module) if on_value is not None else {}
+    replaced: dict[int, torch.Tensor | None] = {}
+    with torch.no_grad():
+        for sub, name, is_param, handle in places:
+            tensors: Any = sub._parameters if is_param else sub._buffers
+            old = tensors[name]
+            if id(old) not in replaced:  # tied weights: one parameter in several places
+                full = _value(handle)
+                if on_value is not None:
+                    on_value(names.get((id(sub), name), name), full)
+                replaced[id(old)] = _place(old, full, device if is_param else buffer_device)
+            if replaced[id(old)] is not None:
+                tensors[name] = replaced[id(old)]
+
+
+def _place(old: torch.Tensor, full: torch.Tensor, device: Any) -> torch.Tensor | None:
+    """A plain meta tensor: its replacement on ``device``. A DTensor: its local part filled in place (None)."""
+    if _is_dtensor(old):
+        _copy_local(old, full.to(old.dtype))
+        return None
+    value = full.to(device=device, dtype=old.dtype)
+    return type(old)(value, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else value
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    tensor_module = sys.modules.get("torch.distributed.tensor")  # never imported: no DTensor exists
+    return tensor_module is not None and isinstance(t, tensor_module.DTensor)
+
+
+def _copy_local(tensor: Any, full: torch.Tensor) -> None:
+    """Copy this rank's part of ``full`` into the local tensor of ``tensor`` (a DTensor of any placement)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    local = tensor.to_local()
+    part = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
+    if part.shape != local.shape:
+        raise RuntimeError(
+            f"A parameter of shape {tuple(full.shape)} placed as {tensor.placements} has a local part of"
+            f" shape {tuple(local.shape)}, but its placements give {tuple(part.shape)}: materialize it"
+            " before changing its local tensor."
+        )
+    local.copy_(part)
+
+
+def _qualified_names(module: nn.Module) -> dict[tuple[int, str], str]:
+    names: dict[tuple[int, str], str] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for name in (*sub._parameters, *sub._buffers):
+            names.setdefault((id(sub), name), f"{prefix}.{name}" if prefix else name)
+    return names
+
+
+def tied_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Groups of (module, attribute) places that share one parameter object."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((sub, name))
+    return [group for group in places.values() if len(group) > 1]

@@ -1,0 +1,134 @@
+"""The recipe of a meta tensor: how eager construction would have computed its value.
+
+A tracked meta tensor is a :class:`Base`: how it was created (uninitialized, from a real value, or
+computed by a call) and the in-place operations (:class:`Op`) applied to it since, each with the
+generator states it ran with when it draws random numbers. A tensor seen through views of a base
+is a :class:`Handle` (the base and the chain of view calls). Ops refer to what they read as
+:class:`Ref` (a tracked tensor as of a point of the recording) or :class:`Real` (a real tensor,
+copied when it was read).
+
+Which tensor has which handle is kept in :data:`RECORDS` (a registry with weak keys: nothing is
+stored on the tensors themselves), and by module and attribute name in a :class:`ModuleRecord`,
+for when torch's ``fully_shard`` or ``copy.deepcopy`` replaces the tensor objects before ``setup``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+#: Orders every recorded op and read, across models: a read sees the ops numbered before it.
+SEQ = itertools.count()
+
+
+@dataclass(eq=False)
+class Base:
+    """A tensor whose value is known only as a recipe: how it was created, then what was done to it."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    origin: str  # "empty" | "value" | "computed"
+    stride: tuple[int, ...] | None = None  # origin "empty": the strides it was created with
+    value: torch.Tensor | None = None  # origin "value": the real tensor it was created from
+    creator: Op | None = None  # origin "computed": the call that produced it
+    ops: list[Op] = field(default_factory=list)
+    problem: str | None = None  # why its value cannot be reproduced (raised at setup)
+
+    @property
+    def written(self) -> bool:
+        """Whether anything gave it a value (an uninitialized tensor never written has none)."""
+        return self.origin != "empty" or bool(self.ops)
+
+
+@dataclass(frozen=True, eq=False)
+class Handle:
+    """A tracked tensor: a base seen through a chain of view calls (``(func, args, kwargs, index)``)."""
+
+    base: Base
+    chain: tuple = ()
+
+
+@dataclass(eq=False)
+class Op:
+    """One recorded call: an in-place write into ``target``, or the creation of a base."""
+
+    func: Callable
+    args: tuple
+    kwargs: dict
+    seq: int
+    name: str = ""  # how messages name the call
+    target: Handle | None = None  # in-place ops: what they write; None for a creation
+    index: int | None = None  # a creation that returns several tensors: which one
+    rng: torch.Tensor | None = None  # default CPU generator state before the op, if it draws
+    generators: dict[str, torch.Tensor] = field(default_factory=dict)  # kwarg name -> generator state
+
+
+class _Target:
+    """Marks, in a recorded op's arguments, the tensor the op writes into."""
+
+    def __repr__(self) -> str:
+        return "TARGET"
+
+
+TARGET = _Target()
+
+
+@dataclass(frozen=True, eq=False)
+class Ref:
+    """A tracked tensor read by an op: its value as of op number ``seq``."""
+
+    handle: Handle
+    seq: int
+
+
+@dataclass(frozen=True, eq=False)
+class Real:
+    """A real tensor read by an op: a copy taken at the read, so later changes do not reach replay."""
+
+    tensor: torch.Tensor
+
+
+#: tracked tensor -> its handle (weak keys, by identity: a tensor's ``==`` is elementwise).
+RECORDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+_MODULE_RECORD_ATTR = "_minifabric_init_record"
+
+
+class ModuleRecord(dict):
+    """Attribute name -> handle of the meta tensors a module registered inside ``init_module``.
+
+    Kept in the module's ``__dict__``, the one fact stored on a user object: a registry with weak
+    keys would lose it when ``copy.deepcopy`` (``AveragedModel``, an EMA copy) copies the module,
+    and the copy must set up to the same weights as the original. A copy shares the record (the
+    recipes are the original's), so ``deepcopy`` returns it unchanged.
+    """
+
+    def __deepcopy__(self, memo: dict) -> ModuleRecord:
+        return self
+
+
+def handle_of(t: Any) -> Handle | None:
+    """The handle recorded for a tracked tensor, if any."""
+    return RECORDS.get(t) if isinstance(t, torch.Tensor) else None
+
+
+def module_record(module: nn.Module, create: bool = False) -> ModuleRecord | None:
+    """The record of ``module``'s meta tensors (created empty when ``create``)."""
+    record = module.__dict__.get(_MODULE_RECORD_ATTR)
+    if record is None and create:
+        record = module.__dict__[_MODULE_RECORD_ATTR] = ModuleRecord()
+    return record
+
+
+def forget_records(module: nn.Module) -> None:
+    """Drop what was recorded for ``module``'s tensors (after they were materialized)."""
+    for t in (*module.parameters(), *module.buffers()):
+        RECORDS.pop(t, None)
+    for sub in module.modules():
+        sub.__dict__.pop(_MODULE_RECORD_ATTR, None)

@@ -1,0 +1,353 @@
+"""Recording what a model's ``__init__`` does to its meta tensors (a ``TorchFunctionMode``).
+
+Inside ``init_module(empty_init=True)`` parameters live on the meta device, where ``normal_``,
+``zero_``, ``copy_`` and every ``torch.nn.init`` function do nothing. :class:`Recorder` watches
+every torch call and keeps, for each meta tensor it tracks (a :class:`~minifabric.init.recipe.Base`),
+the in-place operations applied to it, to it through a view (``w.data[0].zero_()``), or to a
+tensor computed from it.
+
+How it decides, without lists of names:
+
+- **Does a call draw random numbers?** The call is run on the meta tensors under a probe that sees
+  the ATen ops it dispatches; an op tagged ``torch.Tag.nondeterministic_seeded`` draws from a
+  generator. Such a call is also run once for real, on a scratch tensor of the same shape and
+  strides (with the real values of the tensors it reads), so the random streams advance exactly as
+  in eager construction; the generator states before it are kept for replay.
+- **Which ``torch.nn.init`` function ran?** ``trunc_normal_``, ``orthogonal_``, ``sparse_`` and
+  ``dirac_`` return early on meta tensors, after checking ``tensor.is_meta``; ``normal_``,
+  ``uniform_`` and others hand the call to this mode with their *current binding* (which may be a
+  wrapper: transformers wraps them while it initializes weights). In both cases the function is
+  taken from the code object running on the stack (:func:`minifabric._torch.torch_init_call`), with
+  the arguments it was called with.
+- **Real tensors an init reads** are copied at the read: a later change to them (an array reused,
+  a ``.data`` write, shared memory) does not reach the replayed weights.
+
+What cannot be recorded exactly is marked on the base (``problem``) and raised at ``setup`` with
+the parameter's name, or raised at once (a lazy parameter, an op whose result shape depends on
+values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FunctionType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from minifabric._torch import seeded_op_probe, storage_key, torch_init_call, tree_flatten, tree_map
+from minifabric.init.recipe import RECORDS, SEQ, TARGET, Base, Handle, Op, Real, Ref, handle_of
+from minifabric.init.replay import apply_chain, call, resolver
+
+#: Calls that create uninitialized memory: their result has no value until something writes it.
+_EMPTY_FACTORIES = {torch.empty, torch.empty_like, torch.Tensor.new_empty, torch.empty_strided}
+#: In-place methods that change a tensor's shape or storage: not replayable.
+_RESHAPES = {
+    torch.Tensor.resize_, torch.Tensor.set_, torch.Tensor.as_strided_, torch.Tensor.t_,
+    torch.Tensor.transpose_, torch.Tensor.squeeze_, torch.Tensor.unsqueeze_, torch.Tensor.swapdims_,
+}  # fmt: skip
+#: In-place methods that change only autograd or naming metadata.
+_METADATA = {
+    torch.Tensor.requires_grad_, torch.Tensor.retain_grad, torch.Tensor.share_memory_,
+}  # fmt: skip
+_DATA: Any = torch.Tensor.data  # the `.data` property: its __set__ replaces a tensor's data
+_IS_META: Any = torch.Tensor.is_meta
+
+
+def _is_accessor(func: Callable, prop: Any, accessor: str) -> bool:
+    """Whether ``func`` is ``prop.__get__``/``__set__`` (a new method-wrapper object at each access)."""
+    return getattr(func, "__self__", None) is prop and getattr(func, "__name__", None) == accessor
+
+
+def _DATA_SET(target: torch.Tensor, value: torch.Tensor) -> None:
+    _DATA.__set__(target, value)
+
+
+_INPLACE_DUNDERS = ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__")
+
+
+def _name(func: Callable) -> str:
+    owner: Any = getattr(func, "__self__", None)
+    if type(owner).__name__ == "getset_descriptor":  # property access: Tensor.data, Tensor.is_meta
+        return f"{owner.__name__}.{func.__name__}"
+    return getattr(func, "__name__", repr(func))
+
+
+def _is_inplace(name: str) -> bool:
+    if name in _INPLACE_DUNDERS:
+        return True
+    return name.endswith("_") and not name.endswith("__") and not name.startswith("_")
+
+
+def _to_meta(tree: Any) -> Any:
+    """Real tensors replaced by meta ones of the same shape: for running a call on meta inputs."""
+    return tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) and not v.is_meta else v, tree)
+
+
+class Unrecordable(ValueError):
+    """A call inside ``init_module(empty_init=True)`` whose effect cannot be reproduced exactly."""
+
+
+class Recorder(TorchFunctionMode):
+    """Records the init of tracked meta tensors (see the module docstring).
+
+    While it is active, ``torch.empty`` (and ``empty_like``, ``new_empty``, ``empty_strided``) of a
+    CPU floating-point tensor returns a tracked meta tensor instead: that is how parameters are
+    born without memory. Real tensors are left alone, so buffers computed in ``__init__`` are real.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._alive: list[torch.Tensor] = []  # tracked meta tensors: their storages are never reused
+        self._by_storage: dict[int, list[tuple[torch.Tensor, Handle]]] = {}
+        self.paused = 0
+
+    @contextmanager
+    def paused_recording(self) -> Iterator[None]:
+        """Inside, torch calls pass through unrecorded."""
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
+
+    # ---- tracking ------------------------------------------------------------------------------
+
+    def track(self, t: torch.Tensor, handle: Handle | Base) -> Handle:
+        """Remember ``t`` as a view (or the whole) of a recorded base."""
+        if isinstance(handle, Base):
+            handle = Handle(handle)
+        RECORDS[t] = handle
+        self._alive.append(t)
+        self._by_storage.setdefault(storage_key(t), []).append((t, handle))
+        return handle
+
+    def lookup(self, t: Any) -> Handle | None:
+        """The handle of ``t``: its own, or that of a tracked tensor viewing the same memory the same way."""
+        handle = handle_of(t)
+        if handle is not None or not isinstance(t, torch.Tensor) or not t.is_meta:
+            return handle
+        for known, known_handle in self._by_storage.get(storage_key(t), ()):
+            if (known.shape, known.stride(), known.storage_offset()) == (
+                t.shape,
+                t.stride(),
+                t.storage_offset(),
+            ):
+                RECORDS[t] = known_handle
+                return known_handle
+        return None
+
+    # ---- the mode ------------------------------------------------------------------------------
+
+    def __torch_function__(
+        self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
+        if _is_accessor(func, _IS_META, "__get__"):
+            if self.lookup(args[0]) is not None:
+                self._record_torch_init(args[0])
+            return func(*args, **kwargs)
+        if func in _EMPTY_FACTORIES:
+            return self._empty(func, args, kwargs)
+        flat, _ = tree_flatten((args, kwargs))
+        tracked = [(t, h) for t in flat if (h := self.lookup(t)) is not None]
+        if not tracked:
+            result = func(*args, **kwargs)
+            if (
+                isinstance(result, torch.Tensor)
+                and result.is_meta
+                and not any(isinstance(t, torch.Tensor) and t.is_meta for t in flat)
+                and self.lookup(result) is None
+            ):
+                return self._fresh(func, args, kwargs, result)
+            return result
+        if _is_accessor(func, _DATA, "__set__"):
+            return self._set_data(args[0], args[1])
+        if isinstance(func, FunctionType):
+            found = torch_init_call(skip_files=(__file__,))
+            if found is not None and found[0].__name__ == func.__name__:
+                func, kwargs = found  # a torch.nn.init function, maybe called through a wrapper
+                args = ()
+        name = _name(func)
+        out = kwargs.get("out")
+        if _is_inplace(name) or (isinstance(out, torch.Tensor) and self.lookup(out) is not None):
+            if func in _METADATA:
+                return func(*args, **kwargs)
+            target = out if isinstance(out, torch.Tensor) else args[0] if args else kwargs.get("tensor")
+            return self._inplace(func, name, target, args, kwargs)
+        return self._derived(func, name, args, kwargs, tracked)
+
+    def _empty(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        result = func(*_to_meta(args), **kwargs) if func is not torch.empty_strided else func(*args, **kwargs)
+        if not isinstance(result, torch.Tensor) or result.device.type not in ("cpu", "meta"):
+            return result
+        if not result.is_meta and not result.is_floating_point():
+            return result  # an integer buffer (indices): real, as in eager construction
+        meta = torch.empty_strided(result.shape, result.stride(), dtype=result.dtype, device="meta")
+        del result
+        self.track(meta, Base(meta.shape, meta.dtype, "empty", stride=meta.stride()))
+        return meta
+
+    def _ref(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        handle = self.lookup(value)
+        if handle is not None:
+            return Ref(handle, next(SEQ))
+        if value.is_meta:
+            raise Unrecordable("reads a meta tensor created outside `init_module`")
+        return Real(value.detach().clone())  # by value: later changes to it must not reach replay
+
+    def _op(
+        self, func: Callable, name: str, args: tuple, kwargs: dict, target: Any = None, **extra: Any
+    ) -> Op:
+        def convert(v: Any) -> Any:
+            return TARGET if target is not None and v is target else self._ref(v)
+
+        return Op(func, tree_map(convert, args), tree_map(convert, kwargs), next(SEQ), name, **extra)
+
+    def _inplace(
+        self, func: Callable, name: str, target: Any, args: tuple, kwargs: dict, on_meta: bool = True
+    ) -> Any:
+        handle = self.lookup(target)
+        if handle is None:  # writes a real tensor using a tracked one's value: run it for real
+            resolve = resolver()
+            real = tree_map(lambda v: resolve(self._ref(v)) if v is not target else v, (args, kwargs))
+            return func(*real[0], **real[1])
+        base = handle.base
+        if func in _RESHAPES:
+            base.problem = base.problem or f"`{name}` changes the tensor's shape or storage"
+            return func(*args, **kwargs)
+        try:
+            op = self._op(func, name, args, kwargs, target=target)
+        except Unrecordable as e:
+            base.problem = base.problem or f"`{name}` {e}"
+            return target
+        op.target = handle
+        seeded = True
+        if on_meta and type(target) in (torch.Tensor, nn.Parameter) and "out" not in kwargs:
+            with seeded_op_probe() as probe:  # on meta: fails on bad shapes as eager would
+                func(*_to_meta(args), **_to_meta(kwargs))
+            seeded = bool(probe.seeded)
+        if seeded:
+            self._advance_rng(op)
+        base.ops.append(op)
+        return None if name == "__setitem__" else target
+
+    def _advance_rng(self, op: Op) -> None:
+        """Run ``op`` for real on a scratch target so the random streams advance as in eager construction."""
+        gens = {k: v for k, v in op.kwargs.items() if isinstance(v, torch.Generator)}
+        op.generators = {k: g.get_state() for k, g in gens.items()}
+        before = torch.get_rng_state()
+        scratch = None
+        resolve = resolver()
+        if op.target is not None:
+            base = op.target.base
+            stride = base.stride or torch.empty(base.shape, device="meta").stride()
+            scratch = torch.empty_strided(base.shape, stride, dtype=base.dtype)
+            scratch = apply_chain(scratch, op.target.chain, resolve)
+        call(op, scratch, resolve, dict(gens))
+        if not torch.equal(before, torch.get_rng_state()):
+            op.rng = before
+        if all(torch.equal(op.generators[k], g.get_state()) for k, g in gens.items()):
+            op.generators = {}
+
+    def _fresh(self, func: Callable, args: tuple, kwargs: dict, result: torch.Tensor) -> torch.Tensor:
+        """A meta tensor made from no tensor (``torch.zeros(n, device="meta")``): replayed on the CPU."""
+        base = Base(result.shape, result.dtype, "computed")
+        if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta":
+            kwargs = {**kwargs, "device": "cpu"}
+        base.creator = Op(func, args, kwargs, next(SEQ), _name(func))
+        self._advance_rng(base.creator)
+        self.track(result, base)
+        return result
+
+    def _set_data(self, target: torch.Tensor, value: torch.Tensor) -> None:
+        handle = self.lookup(target)
+        source = self.lookup(value)
+        if handle is None:
+            return _DATA_SET(target, value)
+        _DATA_SET(target, value if value.is_meta else value.to("meta"))
+        if source is not None and source.base is handle.base and not source.chain:
+            return None
+        base = Base(value.shape, value.dtype, "computed")
+        try:
+            base.creator = self._op(_identity, "`.data =`", (value,), {})
+        except Unrecordable as e:
+            base.problem = f"`.data =` {e}"
+        RECORDS.pop(target, None)
+        self.track(target, base)
+        return None
+
+    def _derived(self, func: Callable, name: str, args: tuple, kwargs: dict, tracked: list) -> Any:
+        try:
+            with seeded_op_probe() as probe:
+                result = func(*_to_meta(args), **_to_meta(kwargs))
+        except (NotImplementedError, RuntimeError) as e:
+            what = ", ".join(f"a {tuple(t.shape)} tensor" for t, _ in tracked)
+            raise Unrecordable(
+                f"`{name}` on {what} built under `init_module(empty_init=True)` cannot run on the meta"
+                f" device ({type(e).__name__}: {str(e).splitlines()[0]}), so its result is unknown until"
+                " `setup`. Build this model with `acc.init_module(empty_init=False)`, or compute it in"
+                " `reset_parameters()`/`forward` instead of `__init__`."
+            ) from e
+        outputs = result if isinstance(result, (tuple, list)) else (result,)
+        for index, out in enumerate(outputs):
+            if not isinstance(out, torch.Tensor) or not out.is_meta or self.lookup(out) is not None:
+                continue
+            which = None if out is result else index
+            source = next(((t, h) for t, h in tracked if storage_key(t) == storage_key(out)), None)
+            if source is not None:  # a view: writes through it reach the base
+                step = (func, *self._view_args(args, kwargs, source[0]), which)
+                self.track(out, Handle(source[1].base, (*source[1].chain, step)))
+                continue
+            base = Base(out.shape, out.dtype, "computed")
+            try:
+                base.creator = self._op(func, name, args, kwargs, index=which)
+            except Unrecordable as e:
+                base.problem = f"`{name}` {e}"
+            if base.creator is not None and probe.seeded:
+                self._advance_rng(base.creator)
+            self.track(out, base)
+        return result
+
+    def _view_args(self, args: tuple, kwargs: dict, source: torch.Tensor) -> tuple[tuple, dict]:
+        def convert(v: Any) -> Any:
+            return TARGET if v is source else self._ref(v)
+
+        return tree_map(convert, args), tree_map(convert, kwargs)
+
+    def _record_torch_init(self, tensor: torch.Tensor) -> None:
+        """A ``torch.nn.init`` function that returns early on meta tensors: record the whole call.
+
+        ``trunc_normal_``, ``orthogonal_``, ``dirac_`` and ``sparse_`` check ``tensor.is_meta`` and do
+        nothing; the outermost ``torch.nn.init`` frame on the stack is the call (see the module
+        docstring). Whether it draws random numbers is seen when it runs on the scratch tensor.
+        """
+        found = torch_init_call(skip_files=(__file__,))
+        if found is None:
+            return
+        fn, kwargs = found
+        target = kwargs.get("tensor", tensor)
+        with self.paused_recording():
+            self._inplace(fn, fn.__name__, target, (), kwargs, on_meta=False)
+
+    def check_parameter(self, module: nn.Module, name: str, param: nn.Parameter) -> None:
+        """Refuse a parameter whose shape is unknown at construction (``nn.LazyLinear`` and friends)."""
+        if nn.parameter.is_lazy(param):
+            raise Unrecordable(
+                f"{type(module).__name__}.{name} is a lazy parameter (`{type(module).__name__}` infers its"
+                " shape at the first forward), so `init_module(empty_init=True)` cannot create or record it."
+                f" Give the size up front (e.g. `nn.Linear(in_features, out_features)` instead of"
+                " `nn.LazyLinear(out_features)`), or build this model with"
+                " `acc.init_module(empty_init=False)` and run one forward before `setup`."
+            )
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone()
