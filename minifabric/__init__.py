@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from minifabric.checkpoint.hf import export_safetensors
     from minifabric.estimate import estimate_memory
     from minifabric.strategies.fsdp import FSDPStrategy
+    from minifabric.strategies.model_parallel import ModelParallelStrategy
 
 __version__ = "0.1.0"
 
@@ -27,6 +28,7 @@ __all__ = [
     "DDPStrategy",
     "FSDPStrategy",
     "MixedPrecision",
+    "ModelParallelStrategy",
     "Precision",
     "SingleDeviceStrategy",
     "Strategy",
@@ -45,6 +47,10 @@ def __getattr__(name: str) -> Any:
         from minifabric.strategies.fsdp import FSDPStrategy
 
         return FSDPStrategy
+    if name == "ModelParallelStrategy":
+        from minifabric.strategies.model_parallel import ModelParallelStrategy
+
+        return ModelParallelStrategy
     if name == "estimate_memory":
         from minifabric.estimate import estimate_memory
 

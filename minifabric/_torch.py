@@ -24,6 +24,7 @@ __all__ = [
     "default_store",
     "fake_tensor_mode",
     "fake_world",
+    "fsdp_policy",
     "hold_state_changes",
     "local_box",
     "local_slice",
@@ -38,6 +39,7 @@ __all__ = [
     "torch_init_call",
     "tree_flatten",
     "tree_map",
+    "unresolved_plan_keys",
 ]
 
 MIN_TORCH_VERSION = (2, 6)
@@ -355,3 +357,34 @@ def torch_init_call(skip_files: tuple[str, ...] = ()) -> tuple[Callable, dict[st
     fn = types.FunctionType(code, outer.f_globals, code.co_name)
     names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
     return fn, {n: outer.f_locals[n] for n in names if n in outer.f_locals}
+
+
+def fsdp_policy(module: nn.Module) -> Any:
+    """The ``MixedPrecisionPolicy`` ``fully_shard`` was given for ``module`` (an ``FSDPModule``)."""
+    return module._get_fsdp_state()._mp_policy  # type: ignore[operator]
+
+
+#: how torch's ``parallelize_module`` says that a plan key matched no submodule (a warning, not an error)
+_UNRESOLVED_PLAN_KEY = "Parallelize plan key"
+
+
+@contextmanager
+def unresolved_plan_keys() -> Iterator[list[str]]:
+    """Collect the messages of torch's "plan key could not be resolved" warnings raised inside.
+
+    torch's ``parallelize_module`` skips a plan entry that names no submodule with only a warning,
+    so a typo leaves that layer replicated. The caller turns these messages into an error; every
+    other warning is re-emitted unchanged.
+    """
+    import warnings
+
+    found: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield found
+    for warning in caught:
+        text = str(warning.message)
+        if text.startswith(_UNRESOLVED_PLAN_KEY):
+            found.append(text)
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)

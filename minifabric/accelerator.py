@@ -364,7 +364,8 @@ class Accelerator:
                 raise TypeError(f"Expected a torch.utils.data.DataLoader, got {type(loader).__name__}.")
             if use_distributed_sampler:
                 seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # set by any seed_everything, as in Fabric
-                loader = distributed_dataloader(loader, self.world_size, self.global_rank, seed)
+                split = self._strategy.distributed_sampler_kwargs
+                loader = distributed_dataloader(loader, split["num_replicas"], split["rank"], seed)
             out.append(_WrappedDataLoader(loader, self.device if move_to_device else None))
         return out[0] if len(out) == 1 else tuple(out)
 

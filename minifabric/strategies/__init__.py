@@ -1,6 +1,6 @@
 """Strategies: how a model is placed, wrapped and synchronized across processes.
 
-``FSDPStrategy`` is imported on first use: torch's FSDP and DTensor modules take about half a
+``FSDPStrategy`` and ``ModelParallelStrategy`` are imported on first use: torch's FSDP and DTensor modules take about half a
 second to import, which a run that does not shard should not pay.
 """
 
@@ -12,8 +12,16 @@ from minifabric.strategies.strategy import Strategy, wrap
 
 if TYPE_CHECKING:
     from minifabric.strategies.fsdp import FSDPStrategy
+    from minifabric.strategies.model_parallel import ModelParallelStrategy
 
-__all__ = ["DDPStrategy", "FSDPStrategy", "SingleDeviceStrategy", "Strategy", "wrap"]
+__all__ = [
+    "DDPStrategy",
+    "FSDPStrategy",
+    "ModelParallelStrategy",
+    "SingleDeviceStrategy",
+    "Strategy",
+    "wrap",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -21,4 +29,8 @@ def __getattr__(name: str) -> Any:
         from minifabric.strategies.fsdp import FSDPStrategy
 
         return FSDPStrategy
+    if name == "ModelParallelStrategy":
+        from minifabric.strategies.model_parallel import ModelParallelStrategy
+
+        return ModelParallelStrategy
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,7 +13,7 @@ from collections.abc import Generator
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -22,8 +22,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.optim import Optimizer
 
-from minifabric.environment import DEFAULT_TIMEOUT
+from minifabric.environment import DEFAULT_TIMEOUT, LocalEnvironment
 from minifabric.init import keeping_init_records, materialize, recorded_places
+from minifabric.precision import Precision
 from minifabric.strategies.compile import (
     CompileOption,
     Compiler,
@@ -32,7 +33,12 @@ from minifabric.strategies.compile import (
     split_compiled,
 )
 from minifabric.strategies.fsdp_grads import clip_grad_norm_
-from minifabric.strategies.fsdp_options import broadcast_module_states, translate_fabric_options
+from minifabric.strategies.fsdp_options import (
+    broadcast_module_states,
+    check_device_mesh,
+    check_mesh_size,
+    translate_fabric_options,
+)
 from minifabric.strategies.fsdp_wrap import (
     ShardingStr,
     WrapPolicy,
@@ -48,6 +54,9 @@ from minifabric.strategies.fsdp_wrap import (
 )
 from minifabric.strategies.rebind import optimizer_parameters
 from minifabric.strategies.strategy import Strategy
+
+if TYPE_CHECKING:
+    from lightning_fabric.plugins.environments import ClusterEnvironment
 
 log = logging.getLogger(__name__)
 StateDictStr = Literal["sharded", "full"]
@@ -77,6 +86,10 @@ class FSDPStrategy(Strategy):
         mixed_precision: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` that replaces the one
             derived from the Accelerator's ``precision``; its ``output_dtype`` applies to the root only.
         timeout: collective timeout (``timedelta`` or seconds).
+        device_mesh: with ``sharding_strategy="HYBRID_SHARD"``, ``(replicas, shards)``: parameters
+            are sharded over groups of ``shards`` consecutive ranks and replicated ``replicas``
+            times (default: ``(num_nodes, devices per node)``). A torch ``DeviceMesh`` is used as
+            it is (2-D ``(replicate, shard)`` for HSDP, 1-D otherwise).
         process_group_backend: override the backend (default: nccl on CUDA, gloo on CPU).
         compile: ``True`` or ``torch.compile`` keyword arguments: compile each sharding unit (the
             blocks auto-wrap finds) on its own before ``fully_shard``, so FSDP's hooks run around
@@ -106,6 +119,7 @@ class FSDPStrategy(Strategy):
         timeout: timedelta | float = DEFAULT_TIMEOUT,
         process_group_backend: str | None = None,
         compile: CompileOption = False,
+        device_mesh: tuple[int, int] | DeviceMesh | None = None,
         **fabric_options: Any,
     ) -> None:
         super().__init__(timeout=timeout, process_group_backend=process_group_backend, compile=compile)
@@ -138,7 +152,27 @@ class FSDPStrategy(Strategy):
         self.cpu_offload = cpu_offload
         self.state_dict_type = state_dict_type
         self.mixed_precision = mixed_precision
-        self._mesh: DeviceMesh | None = None
+        self.device_mesh = check_device_mesh(device_mesh, sharding_strategy)
+        self._mesh: DeviceMesh | None = device_mesh if isinstance(device_mesh, DeviceMesh) else None
+
+    def connect(
+        self,
+        *,
+        environment: ClusterEnvironment | LocalEnvironment,
+        device: torch.device,
+        num_processes: int,
+        num_nodes: int,
+        precision: Precision,
+    ) -> None:
+        """Receive the world (see :meth:`Strategy.connect`); raise if ``device_mesh`` does not fit it."""
+        super().connect(
+            environment=environment,
+            device=device,
+            num_processes=num_processes,
+            num_nodes=num_nodes,
+            precision=precision,
+        )
+        check_mesh_size(self.device_mesh, num_nodes * num_processes)
 
     # ---- the world ---------------------------------------------------------------------------
 
@@ -156,7 +190,11 @@ class FSDPStrategy(Strategy):
                     " `acc.init_module()` or `acc.setup(model)`."
                 )
             self._mesh = build_mesh(
-                self.sharding_strategy, self.root_device.type, self.num_nodes, self.num_processes
+                self.sharding_strategy,
+                self.root_device.type,
+                self.num_nodes,
+                self.num_processes,
+                shape=self.device_mesh if isinstance(self.device_mesh, tuple) else None,
             )
         return self._mesh
 
@@ -256,7 +294,7 @@ class FSDPStrategy(Strategy):
         """Inside, gradients accumulate unreduced (FSDP2's ``set_requires_gradient_sync(False)``)."""
         if not enabled or not isinstance(module, FSDPModule):
             return nullcontext()
-        return _without_gradient_sync(module)
+        return without_gradient_sync(module)
 
     def clip_gradients_norm(
         self, module: nn.Module, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0
@@ -268,7 +306,8 @@ class FSDPStrategy(Strategy):
 
 
 @contextmanager
-def _without_gradient_sync(module: FSDPModule) -> Generator[None, None, None]:
+def without_gradient_sync(module: FSDPModule) -> Generator[None, None, None]:
+    """Gradients accumulate unreduced inside (no reduce-scatter, no cross-replica all-reduce)."""
     module.set_requires_gradient_sync(False)
     try:
         yield

@@ -13,15 +13,26 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 
 def _sharded_groups(grad: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
-    """Process groups along which ``grad`` is split (none for a plain or replicated tensor)."""
+    """Process groups along which ``grad`` is split (none for a plain or replicated tensor).
+
+    Every placement other than ``Replicate`` splits the tensor: ``Shard`` and the ``_StridedShard``
+    that FSDP puts on the data-parallel dimension of a tensor-parallel parameter (which is not a
+    ``Shard`` subclass). A ``Partial`` gradient (unreduced sums) has no norm yet: that raises.
+    """
     if not isinstance(grad, DTensor):
         return ()
     mesh = grad.device_mesh
-    return tuple(mesh.get_group(dim) for dim, p in enumerate(grad.placements) if isinstance(p, Shard))
+    if any(p.is_partial() for p in grad.placements):
+        raise RuntimeError(
+            f"A gradient has placements {grad.placements} on mesh {mesh.mesh_dim_names}: a Partial gradient is"
+            " a sum not yet reduced, so its norm cannot be taken. Give the parameter a Replicate or Shard"
+            " placement in your parallelize_fn (e.g. `SequenceParallel()` for a norm layer)."
+        )
+    return tuple(mesh.get_group(dim) for dim, p in enumerate(grad.placements) if not p.is_replicate())
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:

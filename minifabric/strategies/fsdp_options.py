@@ -33,7 +33,6 @@ REFUSED = {
     "ignored_modules": "keep such modules outside the model passed to `acc.setup`",
     "ignored_states": "keep such parameters outside the model passed to `acc.setup`",
     "process_group": 'sharding spans every rank; use sharding_strategy="HYBRID_SHARD" to shard within nodes',
-    "device_mesh": 'the mesh is built from sharding_strategy, e.g. `FSDPStrategy(sharding_strategy="HYBRID_SHARD")`',
 }
 
 
@@ -136,3 +135,57 @@ def broadcast_module_states(module: nn.Module, device: torch.device) -> None:
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
             dist.broadcast(tensor.data, src=0)
+
+
+def check_device_mesh(device_mesh: Any, sharding_strategy: str) -> Any:
+    """Validate ``FSDPStrategy(device_mesh=...)``: ``(replicas, shards)`` or a torch ``DeviceMesh``; return it.
+
+    Raises:
+        ValueError: a shape that is not two positive ints, or a mesh whose number of dimensions does
+            not fit ``sharding_strategy`` (2-D ``(replicate, shard)`` for HSDP, 1-D for the others).
+        TypeError: anything else.
+    """
+    if device_mesh is None:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    hybrid = sharding_strategy == "HYBRID_SHARD"
+    if isinstance(device_mesh, DeviceMesh):
+        if device_mesh.ndim != (2 if hybrid else 1):
+            raise ValueError(
+                f"device_mesh has {device_mesh.ndim} dimension(s); sharding_strategy={sharding_strategy!r} needs"
+                f" {'a 2-D (replicate, shard)' if hybrid else 'a 1-D'} mesh, e.g."
+                ' `init_device_mesh("cuda", (2, 4), mesh_dim_names=("replicate", "shard"))`.'
+            )
+        return device_mesh
+    if isinstance(device_mesh, list):
+        device_mesh = tuple(device_mesh)
+    valid = (
+        isinstance(device_mesh, tuple)
+        and len(device_mesh) == 2
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in device_mesh)
+    )
+    if not valid:
+        raise ValueError(
+            f"device_mesh={device_mesh!r} must be (replicas, shards), two positive ints, or a torch"
+            ' DeviceMesh, e.g. `FSDPStrategy(sharding_strategy="HYBRID_SHARD", device_mesh=(2, 4))`.'
+        )
+    if not hybrid:
+        raise ValueError(
+            f"device_mesh={device_mesh!r} describes hybrid sharding (replicas x shards), but"
+            f" sharding_strategy={sharding_strategy!r}. Use"
+            f' `FSDPStrategy(sharding_strategy="HYBRID_SHARD", device_mesh={device_mesh!r})`.'
+        )
+    return device_mesh
+
+
+def check_mesh_size(device_mesh: Any, world_size: int) -> None:
+    """Raise ``ValueError`` if a ``(replicas, shards)`` device mesh does not cover ``world_size`` ranks."""
+    if isinstance(device_mesh, tuple) and device_mesh[0] * device_mesh[1] != world_size:
+        replicas, shards = device_mesh
+        raise ValueError(
+            f"device_mesh=({replicas}, {shards}) holds {replicas * shards} ranks, but the run has"
+            f" {world_size}: replicas x shards must equal it, e.g."
+            f' `FSDPStrategy(sharding_strategy="HYBRID_SHARD", device_mesh=({max(world_size // shards, 1)},'
+            f" {shards if world_size % shards == 0 else world_size}))`."
+        )

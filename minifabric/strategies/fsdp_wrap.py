@@ -37,19 +37,28 @@ WrapPolicy = set[type[nn.Module]] | Callable[[nn.Module, str], bool] | None
 
 
 def build_mesh(
-    sharding_strategy: ShardingStr, device_type: str, num_nodes: int, num_processes: int
+    sharding_strategy: ShardingStr,
+    device_type: str,
+    num_nodes: int,
+    num_processes: int,
+    shape: tuple[int, int] | None = None,
 ) -> DeviceMesh:
     """The device mesh ``fully_shard`` shards over.
 
     A 1-D mesh over all ranks for ``FULL_SHARD``/``SHARD_GRAD_OP``. FSDP2 expresses the others as a
     2-D mesh ``(replicate, shard)``: parameters are replicated along the first dimension and sharded
     along the second. ``HYBRID_SHARD`` replicates across nodes and shards within a node;
-    ``NO_SHARD`` replicates across every rank (a shard dimension of size 1).
+    ``NO_SHARD`` replicates across every rank (a shard dimension of size 1). ``shape`` chooses
+    ``(replicas, shards)`` for ``HYBRID_SHARD`` instead: a shard group is ``shards`` consecutive
+    ranks, so with ``shards`` dividing the devices per node the all-gathers stay inside a node.
     """
     world_size = num_nodes * num_processes
     if sharding_strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
         return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
-    shape = (num_nodes, num_processes) if sharding_strategy == "HYBRID_SHARD" else (world_size, 1)
+    if sharding_strategy != "HYBRID_SHARD":
+        shape = (world_size, 1)
+    elif shape is None:
+        shape = (num_nodes, num_processes)
     return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
 
 

@@ -118,6 +118,15 @@ class Strategy:
         return self.global_rank == 0
 
     @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """How ``setup_dataloaders`` splits the data: ``num_replicas`` parts, this rank reads part ``rank``.
+
+        Every rank reads its own part here; a strategy whose ranks cooperate on one batch (tensor
+        parallel) splits by its data-parallel group instead.
+        """
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @property
     def launcher(self) -> Launcher:
         """Starts the other local processes when nothing else did."""
         if self.num_processes > 1 and not self.environment.creates_processes_externally:

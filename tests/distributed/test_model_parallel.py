@@ -1,0 +1,344 @@
+"""2-D parallelism (tensor parallel x FSDP) and HSDP on 4 CPU ranks, against one process.
+
+One spawned 4-rank job runs every check (the machine is small): training at (dp, tp) = (4, 1),
+(2, 2), (1, 4) and HSDP at (replicas, shards) = (1, 4), (2, 2), (4, 1) with meta init, gradient
+accumulation and clipping; placements of parameters, gradients and optimizer state; the batches of
+`setup_dataloaders`; the gradient reductions under `no_backward_sync`; bad input; a checkpoint saved
+at (2, 2) loaded at (4, 1). A 2-rank job loads it at (1, 2), and the test process loads that into
+one process and a plain module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from minifabric import Accelerator, FSDPStrategy, ModelParallelStrategy
+from tests.helpers import run_distributed
+from tests.tp_models import TPConfig, TPTransformer, parallelize, tp_batches, tp_loss, tp_optimizer
+
+pytestmark = pytest.mark.distributed
+
+CFG = TPConfig()
+STEPS, BATCH, ACCUMULATE, MAX_NORM = 3, 8, 2, 0.5
+LAYOUTS = [(4, 1), (2, 2), (1, 4)]
+HSDP_LAYOUTS = [(1, 4), (2, 2), (4, 1)]
+
+
+def _full(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        for k, v in module.state_dict().items()
+    }
+
+
+def _micro(batch: torch.Tensor, groups: int, group: int) -> tuple[torch.Tensor, ...]:
+    return batch.chunk(groups)[group].chunk(ACCUMULATE)
+
+
+def _placements_2d(model: nn.Module, optimizer: Any) -> list[str]:
+    """Problems with where parameters, gradients and optimizer state live (empty: all as expected)."""
+    problems = []
+    for name, p in model.named_parameters():
+        state = optimizer.state[p]
+        for what, t in (("param", p), ("grad", p.grad), ("exp_avg", state["exp_avg"])):
+            if not isinstance(t, DTensor):
+                problems.append(f"{name} {what} is not a DTensor")
+                continue
+            names = t.device_mesh.mesh_dim_names
+            expected = ("data_parallel",) if name.endswith("scale") else ("data_parallel", "tensor_parallel")
+            if names != expected or t.placements != p.placements:
+                problems.append(f"{name} {what} on {names} {t.placements}")
+        if name.endswith("attn.wq.weight") and p.placements[1] != Shard(0):
+            problems.append(f"{name} is not sharded colwise: {p.placements}")
+        if name.endswith("mlp.w2.weight") and p.placements[1] != Shard(1):
+            problems.append(f"{name} is not sharded rowwise: {p.placements}")
+    return problems
+
+
+def _placements_hsdp(model: nn.Module, optimizer: Any) -> list[str]:
+    problems = []
+    for name, p in model.named_parameters():
+        for what, t in (("param", p), ("grad", p.grad), ("exp_avg", optimizer.state[p]["exp_avg"])):
+            ok = isinstance(t, DTensor) and t.device_mesh.mesh_dim_names == ("replicate", "shard")
+            if not ok or t.placements != (Replicate(), Shard(0)):
+                problems.append(f"{name} {what}: {getattr(t, 'placements', type(t).__name__)}")
+    return problems
+
+
+def _train(acc: Accelerator, groups: int, group: int, placements: Any) -> dict[str, Any]:
+    torch.manual_seed(0)
+    with acc.init_module(empty_init=True):
+        model = TPTransformer(CFG)
+    optimizer = tp_optimizer(model)  # over meta parameters: rebound by setup
+    model, optimizer = acc.setup(model, optimizer)
+    out: dict[str, Any] = {"init": _full(model), "norms": []}
+    for step, batch in enumerate(tp_batches(STEPS, BATCH, CFG)):
+        for i, micro in enumerate(_micro(batch, groups, group)):
+            with acc.no_backward_sync(model, enabled=i < ACCUMULATE - 1):
+                acc.backward(tp_loss(model, micro) / ACCUMULATE)
+        out["norms"].append(acc.clip_gradients(model, optimizer, max_norm=MAX_NORM).item())
+        optimizer.step()
+        if step == 0:
+            out["placements"] = placements(model, optimizer)
+        optimizer.zero_grad()
+    out["final"] = _full(model)
+    out["model"], out["optimizer"] = model, optimizer
+    return out
+
+
+class _Reductions:
+    """Counts FSDP's gradient reductions (reduce-scatter, cross-replica all-reduce) by wrapping torch's calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def __enter__(self) -> _Reductions:
+        self._saved = dist.reduce_scatter_single, dist.all_reduce
+        rs, ar = self._saved
+
+        def reduce_scatter_single(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append(("reduce_scatter", dist.get_world_size(kwargs.get("group"))))
+            return rs(*args, **kwargs)
+
+        def all_reduce(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append(("all_reduce", dist.get_world_size(kwargs.get("group"))))
+            return ar(*args, **kwargs)
+
+        dist.reduce_scatter_single, dist.all_reduce = reduce_scatter_single, all_reduce  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.reduce_scatter_single, dist.all_reduce = self._saved  # type: ignore[assignment]
+
+
+def _reductions(acc: Accelerator, model: nn.Module, micro_batches: int) -> list[tuple[str, int]]:
+    """The gradient reductions of one optimizer step made of ``micro_batches`` backward passes."""
+    batch = tp_batches(1, 2 * micro_batches, CFG, seed=5)[0]
+    with _Reductions() as counter:
+        for i, micro in enumerate(batch.chunk(micro_batches)):
+            with acc.no_backward_sync(model, enabled=i < micro_batches - 1):
+                acc.backward(tp_loss(model, micro))
+    for p in model.parameters():
+        p.grad = None
+    return counter.calls
+
+
+def _dataloader_batches(acc: Accelerator) -> list[list[int]]:
+    dataset = torch.utils.data.TensorDataset(torch.arange(32))
+    loader = acc.setup_dataloaders(torch.utils.data.DataLoader(dataset, batch_size=2, shuffle=True))
+    first = next(iter(loader))[0]
+    return acc.all_gather(first).tolist()
+
+
+def _errors(acc_factory: Any) -> list[str]:
+    """The messages of each bad input, raised on this rank."""
+    messages = []
+
+    def returns_none(model: nn.Module, mesh: Any) -> None:
+        return None
+
+    def misspelled(model: nn.Module, mesh: Any) -> nn.Module:
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        parallelize_module(model, mesh["tensor_parallel"], {"blocks.0.attn.wqq": ColwiseParallel()})
+        return model
+
+    def indivisible(model: nn.Module, mesh: Any) -> nn.Module:
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        parallelize_module(model, mesh["tensor_parallel"], {"0": ColwiseParallel()})
+        return model
+
+    cases = [
+        (returns_none, lambda: TPTransformer(CFG)),
+        (misspelled, lambda: TPTransformer(CFG)),
+        (indivisible, lambda: nn.Sequential(nn.Linear(8, 7))),
+    ]
+    for fn, build in cases:
+        acc = acc_factory(ModelParallelStrategy(fn, data_parallel_size=2, tensor_parallel_size=2))
+        try:
+            acc.setup(build())
+            messages.append("no error")
+        except (TypeError, ValueError) as error:
+            messages.append(f"{type(error).__name__}: {error}")
+    for make in (
+        lambda: ModelParallelStrategy(parallelize, data_parallel_size=3, tensor_parallel_size=2),
+        lambda: FSDPStrategy(sharding_strategy="HYBRID_SHARD", device_mesh=(3, 2)),
+    ):
+        try:
+            acc_factory(make())
+            messages.append("no error")
+        except ValueError as error:
+            messages.append(f"ValueError: {error}")
+    return messages
+
+
+def _four_ranks(rank: int, ckpt: str) -> dict[str, Any]:
+    def acc_for(strategy: Any) -> Accelerator:
+        acc = Accelerator(accelerator="cpu", strategy=strategy, devices=4)
+        acc.launch()
+        return acc
+
+    out: dict[str, Any] = {"2d": {}, "hsdp": {}}
+    for dp, tp in LAYOUTS:
+        acc = acc_for(ModelParallelStrategy(parallelize, data_parallel_size=dp, tensor_parallel_size=tp))
+        group = acc.strategy.device_mesh["data_parallel"].get_local_rank()
+        result = _train(acc, dp, group, _placements_2d)
+        model, optimizer = result.pop("model"), result.pop("optimizer")
+        out["2d"][(dp, tp)] = result
+        if (dp, tp) == (2, 2):
+            out["batches"] = _dataloader_batches(acc)
+            out["reductions_2d"] = [_reductions(acc, model, k) for k in (1, 3)]
+            acc.save(ckpt, {"model": model, "optimizer": optimizer, "step": 3})
+            out["saved"] = _full(model)
+    for replicas, shards in HSDP_LAYOUTS:
+        strategy = FSDPStrategy(sharding_strategy="HYBRID_SHARD", device_mesh=(replicas, shards))
+        acc = acc_for(strategy)
+        result = _train(acc, 4, rank, _placements_hsdp)
+        model = result.pop("model")
+        result.pop("optimizer")
+        out["hsdp"][(replicas, shards)] = result
+        if (replicas, shards) == (2, 2):
+            out["reductions_hsdp"] = [_reductions(acc, model, k) for k in (1, 3)]
+    # the (2, 2) checkpoint, loaded at (4, 1) and saved again for the 2-rank job
+    acc = acc_for(ModelParallelStrategy(parallelize, data_parallel_size=4, tensor_parallel_size=1))
+    with acc.init_module(empty_init=True):
+        model = TPTransformer(CFG)
+    model, optimizer = acc.setup(model, tp_optimizer(model))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    acc.load(ckpt, state)
+    out["loaded_41"], out["loaded_step"] = _full(model), state["step"]
+    out["exp_avg_41"] = {n: optimizer.state[p]["exp_avg"].full_tensor() for n, p in model.named_parameters()}
+    acc.save(ckpt + "-41", {"model": model, "optimizer": optimizer})
+    out["errors"] = _errors(acc_for)
+    return out
+
+
+def _two_ranks(rank: int, ckpt: str) -> dict[str, Any]:
+    acc = Accelerator(
+        accelerator="cpu",
+        strategy=ModelParallelStrategy(parallelize, data_parallel_size=1, tensor_parallel_size=2),
+        devices=2,
+    )
+    acc.launch()
+    with acc.init_module(empty_init=True):
+        model = TPTransformer(CFG)
+    model, optimizer = acc.setup(model, tp_optimizer(model))
+    acc.load(ckpt + "-41", {"model": model, "optimizer": optimizer})
+    acc.save(ckpt + "-12", {"model": model, "optimizer": optimizer})
+    return {"loaded_12": _full(model)}
+
+
+def _reference(groups: int) -> dict[str, Any]:
+    """One process: the same global batches, each step the mean over `groups` data-parallel groups."""
+    torch.manual_seed(0)
+    model = TPTransformer(CFG)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = tp_optimizer(model)
+    norms = []
+    for batch in tp_batches(STEPS, BATCH, CFG):
+        for i in range(ACCUMULATE):
+            losses = [tp_loss(model, _micro(batch, groups, g)[i]) for g in range(groups)]
+            (torch.stack(losses).mean() / ACCUMULATE).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return {
+        "init": init,
+        "norms": norms,
+        "final": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    ckpt = str(tmp_path_factory.mktemp("tp") / "ckpt")
+    four = run_distributed(_four_ranks, 4, ckpt, timeout=600)
+    two = run_distributed(_two_ranks, 2, ckpt, timeout=180)
+    return {"four": four, "two": two, "ckpt": ckpt}
+
+
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> list[str]:
+    assert a.keys() == b.keys()
+    return [k for k in a if not torch.allclose(a[k], b[k], rtol=0, atol=atol)]
+
+
+def test_2d_trains_like_one_process(runs: dict[str, Any]) -> None:
+    for dp, tp in LAYOUTS:
+        ref = _reference(dp)
+        for rank, out in enumerate(runs["four"]):
+            got = out["2d"][(dp, tp)]
+            assert got["placements"] == [], (dp, tp, rank, got["placements"])
+            assert all(torch.equal(got["init"][k], ref["init"][k]) for k in ref["init"]), "meta init != eager"
+            assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5), (dp, tp, rank)
+            assert ref["norms"][0] > MAX_NORM  # clipping did change the step
+            assert _close(got["final"], ref["final"], 1e-6) == [], (dp, tp, rank)
+
+
+def test_hsdp_trains_like_one_process(runs: dict[str, Any]) -> None:
+    ref = _reference(4)
+    for layout in HSDP_LAYOUTS:
+        for rank, out in enumerate(runs["four"]):
+            got = out["hsdp"][layout]
+            assert got["placements"] == [], (layout, rank, got["placements"])
+            assert all(torch.equal(got["init"][k], ref["init"][k]) for k in ref["init"])
+            assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5), (layout, rank)
+            assert _close(got["final"], ref["final"], 1e-6) == [], (layout, rank)
+
+
+def test_batches_follow_the_data_parallel_rank(runs: dict[str, Any]) -> None:
+    for out in runs["four"]:
+        batches = out["batches"]  # ranks 0, 1 form TP group 0; ranks 2, 3 TP group 1
+        assert batches[0] == batches[1] and batches[2] == batches[3]
+        assert not set(batches[0]) & set(batches[2])
+
+
+def test_one_gradient_reduction_per_step_under_no_backward_sync(runs: dict[str, Any]) -> None:
+    for out in runs["four"]:
+        one, three = out["reductions_2d"]
+        assert one and one == three  # k micro-batches reduce as often as one
+        assert {size for _, size in one} == {2}  # over the data-parallel group of 2
+        one, three = out["reductions_hsdp"]
+        assert one and one == three
+        kinds = {kind for kind, _ in one}
+        assert kinds == {"reduce_scatter", "all_reduce"}  # shard, then across the replicas
+
+
+def test_bad_input_raises_on_every_rank(runs: dict[str, Any]) -> None:
+    for out in runs["four"]:
+        none, misspelled, indivisible, mesh, hsdp = out["errors"]
+        assert none.startswith("TypeError") and "returned NoneType" in none
+        assert misspelled.startswith("ValueError") and "wqq" in misspelled
+        assert (
+            indivisible.startswith("ValueError")
+            and "7" in indivisible
+            and "tensor_parallel_size=2" in indivisible
+        )
+        assert mesh.startswith("ValueError") and "world size 4" in mesh
+        assert hsdp.startswith("ValueError") and "(3, 2)" in hsdp and "has 4" in hsdp
+
+
+def test_checkpoint_across_layouts(runs: dict[str, Any], tmp_path: Path) -> None:
+    saved = runs["four"][0]["saved"]
+    for out in runs["four"]:
+        assert _close(out["loaded_41"], saved, 0) == [] and out["loaded_step"] == 3
+    for out in runs["two"]:
+        assert _close(out["loaded_12"], saved, 0) == []
+    # one process, then a plain module from a plain file
+    acc = Accelerator(accelerator="cpu", devices=1)
+    model = TPTransformer(CFG)
+    model, optimizer = acc.setup(model, tp_optimizer(model))
+    acc.load(runs["ckpt"] + "-12", {"model": model, "optimizer": optimizer})
+    exp_avg = {n: optimizer.state[p]["exp_avg"] for n, p in model.named_parameters()}
+    assert _close(exp_avg, runs["four"][0]["exp_avg_41"], 0) == []
+    torch.save(model.module.state_dict(), tmp_path / "plain.pt")
+    plain = TPTransformer(CFG)
+    plain.load_state_dict(torch.load(tmp_path / "plain.pt", weights_only=True))
+    assert _close(plain.state_dict(), saved, 0) == []
