@@ -16,6 +16,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 _COMPILED = "_orig_mod."
+#: what torch's `checkpoint_wrapper` adds to the names of the parameters it wraps (its state dict drops it)
+_CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module."
 
 
 def parameter_names(optimizer: Optimizer, modules: list[nn.Module]) -> list[str] | None:
@@ -23,7 +25,7 @@ def parameter_names(optimizer: Optimizer, modules: list[nn.Module]) -> list[str]
     by_id: dict[int, str] = {}
     for module in modules:
         for name, param in module.named_parameters(remove_duplicate=False):
-            by_id.setdefault(id(param), name.replace(_COMPILED, ""))
+            by_id.setdefault(id(param), name.replace(_COMPILED, "").replace(_CHECKPOINT_WRAPPED, ""))
     names = [by_id.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
     if any(n is None for n in names) or len(set(names)) != len(names):
         return None

@@ -19,6 +19,8 @@ from torch.optim import Optimizer
 
 from minifabric._torch import register_global_step_pre_hook
 
+_CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module."
+
 
 def optimizer_parameters(optimizer: Optimizer) -> list:
     """Every parameter of ``optimizer``, group by group."""
@@ -29,8 +31,13 @@ def parameter_names(module: nn.Module) -> dict[int, str]:
     """Map ``id(parameter)`` to its first qualified name in ``module``."""
     names: dict[int, str] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), name)
+        names.setdefault(id(param), _clean(name))
     return names
+
+
+def _clean(name: str) -> str:
+    """``name`` without the component torch's ``checkpoint_wrapper`` inserts (a parallelize_fn may add it)."""
+    return name.replace(_CHECKPOINT_WRAPPED, "")
 
 
 def rebind_optimizer(optimizer: Optimizer, names_before: dict[int, str], module: nn.Module) -> None:
@@ -42,7 +49,7 @@ def rebind_optimizer(optimizer: Optimizer, names_before: dict[int, str], module:
         ValueError: a parameter of the optimizer is not a parameter of ``module``.
         RuntimeError: the optimizer already holds state for parameters that were replaced.
     """
-    current = dict(module.named_parameters(remove_duplicate=False))
+    current = {_clean(name): p for name, p in module.named_parameters(remove_duplicate=False)}
     unknown = [p for p in optimizer_parameters(optimizer) if id(p) not in names_before]
     if unknown:
         shapes = ", ".join(str(tuple(p.shape)) for p in unknown[:5])
@@ -87,7 +94,7 @@ class SetupLedger:
         ids = {id(p) for p in optimizer_parameters(optimizer)}
         for names, module in reversed(self._setups):
             if ids & names.keys() or ids & {id(p) for p in module.parameters()}:
-                names = {**names, **{id(p): n for n, p in module.named_parameters()}}
+                names = {**names, **{id(p): _clean(n) for n, p in module.named_parameters()}}
                 rebind_optimizer(optimizer, names, module)
                 return
         if not self._setups:
