@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from minifabric._torch import track_scheduler_steps
 from minifabric.init import has_meta_tensors
 from minifabric.wrappers import _WrappedModule, _WrappedOptimizer
 
@@ -23,21 +24,8 @@ class CallWithAccelerator:
 
 
 def point_scheduler_at(scheduler: Any, optimizer: Any) -> None:
-    """Make ``scheduler`` drive ``optimizer`` (the optimizer ``setup`` returned).
-
-    torch's LR schedulers wrap ``optimizer.step`` to notice a ``scheduler.step()`` called before the
-    first ``optimizer.step()``; the same tracking is put on the returned optimizer, or every run
-    would warn that ``optimizer.step()`` was overridden.
-    """
-    scheduler.optimizer = optimizer
-    step = optimizer.step
-
-    def tracked_step(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True
-        return step(*args, **kwargs)
-
-    tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = tracked_step
+    """Make ``scheduler`` drive ``optimizer`` (the optimizer ``setup`` returned)."""
+    track_scheduler_steps(scheduler, optimizer)
 
 
 def unwrap_state(state: dict[str, Any]) -> dict[str, Any]:

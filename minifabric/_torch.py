@@ -1,6 +1,10 @@
-"""The one place that knows about torch versions and torch's private modules, and process-wide switches.
+"""The one place that knows about torch versions and torch's private modules, and torch's process-wide switches.
 
-Everything version-specific or private lives here, so a torch upgrade touches one file.
+Everything version-specific or private lives here, so a torch upgrade touches one file. So does
+every switch that changes torch for the whole process (the default dtype, the intra-op thread
+count, the global optimizer hooks, ``nn.Module`` patches): each is one named helper that says why
+and restores what it changed. The process-wide switches that are not torch's (exception hook,
+signals, exit handlers) are in :mod:`minifabric.process`.
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ __all__ = [
     "check_torch_version",
     "checkpoint_activations",
     "compile_in_place",
+    "default_dtype",
     "default_store",
     "fake_tensor_mode",
     "fake_world",
     "fsdp_policy",
     "hold_state_changes",
+    "intra_op_threads",
     "local_box",
     "local_slice",
     "memory_tracker",
@@ -37,6 +43,7 @@ __all__ = [
     "storage_key",
     "swapping_module_params",
     "torch_init_call",
+    "track_scheduler_steps",
     "tree_flatten",
     "tree_map",
     "unresolved_plan_keys",
@@ -388,3 +395,57 @@ def unresolved_plan_keys() -> Iterator[list[str]]:
             found.append(text)
         else:
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Inside, new floating-point tensors default to ``dtype``; the previous default is restored on exit.
+
+    Why: ``init_module``/``init_tensor`` under a ``"*-true"`` precision create the model directly in
+    its dtype (no float32 copy first). The default dtype is process-wide, so it is held only for
+    the body of the context.
+    """
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def intra_op_threads(count: int) -> Callable[[], None]:
+    """Give this process ``count`` intra-op threads; return a function that restores the previous count.
+
+    Why: every local rank is a full torch process with one thread per core by default, so ``N``
+    ranks on one machine would run ``N`` times more threads than cores and slow each other down.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    return lambda: torch.set_num_threads(previous)
+
+
+def track_scheduler_steps(scheduler: Any, optimizer: Any) -> Callable[[], None]:
+    """Make ``scheduler`` drive ``optimizer`` and keep torch's "step order" check working on it.
+
+    Why: torch's LR schedulers wrap ``optimizer.step`` when they are built, to warn if
+    ``scheduler.step()`` runs before the first ``optimizer.step()``; they read the private flags
+    ``_opt_called`` and ``_wrapped_by_lr_sched``. ``setup`` hands back a different optimizer object
+    (the wrapper), so the same tracking is put on its ``step``, or every run would warn that
+    ``optimizer.step()`` was overridden. Changes only ``optimizer`` (an instance attribute);
+    returns a function that removes it.
+    """
+    scheduler.optimizer = optimizer
+    step = optimizer.step
+
+    def tracked_step(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True
+        return step(*args, **kwargs)
+
+    tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = tracked_step
+
+    def undo() -> None:
+        if optimizer.__dict__.get("step") is tracked_step:
+            del optimizer.step
+
+    return undo

@@ -147,12 +147,16 @@ class Accelerator:
 
     @property
     def should_stop(self) -> bool:
-        """True on every rank, from the same ``optimizer.step()`` on, once any rank got SIGTERM or SIGUSR1.
+        """True on every rank, at the same read, once any rank got SIGTERM or SIGUSR1: save and exit.
 
-        Schedulers send these before preempting a job (SLURM ``--signal``, Kubernetes). Once the loop
-        reads this property, the signals no longer end the process: they set a flag that the ranks
-        agree on at every optimizer step (one tiny all-reduce), so the loop can save and exit at the
-        same step everywhere. Reading it costs nothing.
+        Schedulers send these before preempting a job (SLURM ``--signal``, Kubernetes). With several
+        processes, reading this property is a collective (one all-reduce of a single integer on a
+        small gloo group): every rank must read it at the same point of the loop, e.g. once per
+        step, as every rank calls ``all_reduce`` at the same point. It is the only communication of
+        the stop agreement: ``optimizer.step()`` stays local. The signal handlers are installed at
+        ``launch``; once the loop has read this property, a first signal only sets the flag (a
+        second one ends the process); a script that never reads it keeps the signals' default
+        action.
 
         Example:
             >>> from minifabric import Accelerator

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from minifabric._torch import intra_op_threads
+
 if TYPE_CHECKING:
     from lightning_fabric.plugins.environments import ClusterEnvironment
 
@@ -145,7 +147,7 @@ def share_cpu_cores(local_processes: int, warn: bool) -> None:
             stacklevel=2,
         )
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, cores // local_processes))
+        intra_op_threads(max(1, cores // local_processes))
 
 
 def local_world_size(env: Any, num_nodes: int) -> int:

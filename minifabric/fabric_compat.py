@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from minifabric.precision import PRECISIONS, Precision
+from minifabric.process import swap_class
 from minifabric.resolve import canonical
 
 
@@ -161,4 +162,4 @@ def present_precision_to_lightning(plugin: Precision) -> None:
             "__reduce__": lambda self: (_rebuild, (own, dict(self.__dict__))),
         },
     )
-    plugin.__class__ = view
+    swap_class(plugin, view)

@@ -31,7 +31,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from minifabric import signals
+from minifabric import process, signals
 from minifabric.environment import find_free_port
 
 _PARENT_PID_VAR = "MINIFABRIC_PARENT_PID"
@@ -81,8 +81,7 @@ class LocalLauncher(Launcher):
             }
             code = _Supervisor(ranks).run()
             # this process only supervised: skip the interpreter's teardown (seconds with torch loaded)
-            signals.write_stderr("")
-            os._exit(code)
+            process.hard_exit(code)
         return _spawn(self.num_processes, self.main_address, join, function, args)
 
 
@@ -201,21 +200,16 @@ class _Supervisor:
 
     def run(self) -> int:
         """Wait for every rank; return the exit code of the run (as a shell reports it)."""
-        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, *signals.STOP_SIGNALS)}
-        in_main = threading.current_thread() is threading.main_thread()
-        if in_main:
-            signal.signal(signal.SIGINT, self._on_interrupt)
-            for signum in signals.STOP_SIGNALS:
-                signal.signal(signum, self._on_stop)
-        try:
-            return self._wait()
-        except BaseException:
-            self._kill_all()
-            raise
-        finally:
-            if in_main:
-                for signum, handler in previous.items():
-                    signal.signal(signum, handler)
+        forward: dict[int, Any] = {
+            signal.SIGINT: self._on_interrupt,
+            **dict.fromkeys(signals.STOP_SIGNALS, self._on_stop),
+        }
+        with process.signal_handlers(forward):
+            try:
+                return self._wait()
+            except BaseException:
+                self._kill_all()
+                raise
 
     def _wait(self) -> int:
         while True:
@@ -257,14 +251,14 @@ def die_with_parent() -> None:
     except (OSError, AttributeError):
         kernel_watch = False
     if os.getppid() != int(parent):  # the parent died before the watch was set
-        os._exit(1)
+        process.hard_exit(1)
     if kernel_watch:
         return
 
     def watch() -> None:
         while os.getppid() == int(parent):
             time.sleep(0.1)
-        os._exit(1)
+        process.hard_exit(1)
 
     threading.Thread(target=watch, name="minifabric-parent-watch", daemon=True).start()
 

@@ -1,10 +1,14 @@
 """The life of one rank in a run: joining the process group, agreeing to stop, leaving it.
 
 A :class:`Lifecycle` belongs to a strategy. It joins the default process group with the
-collective timeout, creates two small gloo groups of its own (one to agree on ``should_stop``
-after each optimizer step, one for the bounded barrier at exit), counts optimizer steps and
-remembers the last committed checkpoint for the Ctrl-C message, and leaves the group at exit
-unless the process is ending with an error.
+collective timeout, creates two small gloo groups of its own (one for the stop agreement, one for
+the bounded barrier at exit), counts optimizer steps and remembers the last committed checkpoint
+for the Ctrl-C message, and leaves the group at exit unless the process is ending with an error.
+
+The stop agreement is the read of ``should_stop`` itself: with several processes it is one tiny
+all-reduce on the stop group, so every rank must read it at the same point of the loop (as every
+rank calls ``all_reduce`` at the same point). Nothing else communicates for it: ``optimizer.step()``
+stays local.
 """
 
 from __future__ import annotations
@@ -47,20 +51,26 @@ class Lifecycle:
     def __init__(self) -> None:
         self.steps = 0
         self._world_size = 1
-        self._stop_agreed = False
+        self._stop_reads = 0  # how often this process read should_stop (signals.py asks)
         self._stop_group: dist.ProcessGroup | None = None
         self._exit_group: dist.ProcessGroup | None = None
         self._committed: Path | None = None
         self._pending: Any = None  # the handle of an asynchronous save in flight
 
     def prepare(self, rank: int, world_size: int) -> None:
-        """Install the signal handling of a rank (Ctrl-C only with several processes)."""
+        """Install the signal handling of a rank (Ctrl-C only with several processes).
+
+        The preemption handlers (SIGTERM, SIGUSR1) are armed here, at launch: a signal is held for
+        the next read of ``should_stop`` once the loop has read it at least once; before that it
+        ends the process as it would without minifabric.
+        """
         self._world_size = world_size
         if world_size > 1:
             signals.install(rank=rank, describe=self.describe)
             die_with_parent()
         else:
             signals.install_stop_signals()
+        signals.hold_stop_signals_while(lambda: self._stop_reads > 0)
 
     def join(self, environment: Any, backend: str, timeout: timedelta) -> None:
         """Join the default process group and create this lifecycle's own small groups."""
@@ -77,30 +87,28 @@ class Lifecycle:
         watchdog.stop()
         destroy_process_group(self._exit_group)
 
-    def leave_at_exit(self) -> None:
-        """At interpreter exit: leave, unless this process ends with an error (nobody would wait)."""
-        if not signals.ending_badly():
-            self.leave()
-
     # ---- the loop ----------------------------------------------------------------------------
 
     def step_done(self) -> None:
-        """After every optimizer step: agree on whether any rank was asked to stop (one tiny all-reduce)."""
+        """After every optimizer step: count it (local; for the Ctrl-C message)."""
         self.steps += 1
-        if self._stop_group is not None:
-            self._stop_agreed = collectives.any_rank(signals.stop_requested(), self._stop_group)
 
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` is True on any rank (on this lifecycle's gloo group)."""
         return collectives.any_rank(flag, self._stop_group) if self._stop_group is not None else flag
 
-    @property
     def should_stop(self) -> bool:
-        """Whether any rank received SIGTERM or SIGUSR1 (as of the last optimizer step on every rank)."""
-        signals.arm_stop()
-        if self._world_size == 1:
-            return signals.stop_requested()
-        return self._stop_agreed
+        """Whether any rank received SIGTERM or SIGUSR1; a collective with several processes.
+
+        Every rank must call it at the same point of the loop: it is one all-reduce of a single
+        integer on this lifecycle's gloo group.
+        """
+        self._stop_reads += 1
+        if self._stop_group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            # a process group this lifecycle did not create (adopted): every rank is at this same
+            # read, so the small gloo group can be made here
+            self._stop_group = dist.new_group(backend="gloo")
+        return self.any_rank(signals.stop_requested())
 
     def saving(self, path: Path, handle: Any) -> None:
         """Record a save: committed now (``handle`` None) or when its asynchronous write is done."""

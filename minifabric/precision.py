@@ -11,7 +11,7 @@ Three small classes cover the six precision strings:
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any, Literal, get_args
 
@@ -19,22 +19,13 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from minifabric._torch import default_dtype as _default_dtype
 from minifabric._torch import tree_map
 
 PrecisionStr = Literal["32-true", "64-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"]
 PRECISIONS: tuple[str, ...] = get_args(PrecisionStr)
 #: what ``Accelerator(precision=...)`` accepts: the strings above and Lightning Fabric's aliases
 PrecisionInput = PrecisionStr | Literal[16, 32, 64, "16", "32", "64", "bf16"]
-
-
-@contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def _cast_floats(data: Any, dtype: torch.dtype) -> Any:

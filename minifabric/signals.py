@@ -7,9 +7,10 @@ where the user has not installed their own.
 - **Ctrl-C** (SIGINT): the rank unwinds with ``KeyboardInterrupt`` and exits with code 130 after at
   most :data:`INTERRUPT_GRACE_SECONDS`; global rank 0 prints one line (``interrupted at step N;
   last committed checkpoint: PATH``), the other ranks print nothing. A second Ctrl-C is ignored.
-- **Preemption** (SIGTERM, SIGUSR1): once the training loop reads ``acc.should_stop``, the signal
-  only sets a flag that the ranks agree on at the next ``optimizer.step()``, so the loop saves and
-  exits on every rank at the same step. Before that (a script that never asks), the signal ends the
+- **Preemption** (SIGTERM, SIGUSR1): the handlers are installed when the ranks join (``launch``).
+  Once the training loop has read ``acc.should_stop``, the signal only sets a flag that every rank
+  sees at the next read of ``should_stop`` (the read is the agreement), so the loop saves and exits
+  on every rank at the same step. Before that (a script that never asks), the signal ends the
   process as it would without minifabric. A second signal always ends it.
 - **Uncaught exceptions**: ``[minifabric] rank R failed with ...`` and the traceback, once; a rank
   that only lost the connection to a rank that failed first prints one line instead.
@@ -24,6 +25,12 @@ import threading
 import traceback
 from collections.abc import Callable
 from types import FrameType, TracebackType
+from typing import NoReturn
+
+from minifabric import process
+from minifabric.process import write_stderr
+
+__all__ = ["write_stderr"]  # re-exported: callers report through this module
 
 #: seconds a rank may take to unwind after Ctrl-C before it is ended
 INTERRUPT_GRACE_SECONDS = 3.0
@@ -53,7 +60,7 @@ class _Process:
         self.failed = False
         self.interrupted = False
         self.stop_signal: int | None = None  # the preemption signal received, if any
-        self.stop_armed = False  # the loop reads should_stop: preemption signals only set a flag
+        self.hold_stop: Callable[[], bool] = lambda: False  # True: a preemption signal only sets a flag
         self.describe: Callable[[], str] = lambda: ""
         self.report: Callable[[BaseException], bool] = lambda error: False
 
@@ -65,28 +72,13 @@ _hook: Callable | None = None  # this module's exception hook, once installed
 def reclaim_excepthook() -> None:
     """Put this module's exception hook back in front (``init_process_group`` wraps it in its own)."""
     if _hook is not None:
-        sys.excepthook = _hook
+        process.set_excepthook(_hook)
 
 
-def leave(code: int) -> None:
-    """End this process now with ``code``: exit handlers run, the interpreter's slow teardown does not.
-
-    A failing rank must be gone quickly so the launcher can end the others; tearing down an
-    interpreter with torch loaded takes seconds on a busy machine.
-    """
-    import atexit
-
+def leave(code: int) -> NoReturn:
+    """End this process now with ``code``: exit handlers run, the interpreter's slow teardown does not."""
     _process.failed = _process.failed or code != 0
-    try:
-        atexit._run_exitfuncs()
-    finally:
-        write_stderr("")
-        os._exit(code)
-
-
-def mark_failed() -> None:
-    """Record that this process is ending with an error (exit handlers must not wait for peers)."""
-    _process.failed = True
+    process.leave(code)
 
 
 def ending_badly() -> bool:
@@ -104,9 +96,13 @@ def stop_requested() -> bool:
     return _process.stop_signal is not None
 
 
-def arm_stop() -> None:
-    """From now on a preemption signal only sets the flag that ``should_stop`` reports."""
-    _process.stop_armed = True
+def hold_stop_signals_while(condition: Callable[[], bool]) -> None:
+    """A preemption signal only sets the flag that ``should_stop`` reports while ``condition()`` holds.
+
+    The lifecycle passes "the loop has read ``should_stop``": a script that never asks keeps the
+    default action of the signal (the process ends).
+    """
+    _process.hold_stop = condition
 
 
 def install(rank: int | None = None, describe: Callable[[], str] | None = None) -> None:
@@ -129,36 +125,20 @@ def install(rank: int | None = None, describe: Callable[[], str] | None = None) 
             _excepthook(previous, tp, value, tb)
 
         _hook = hook
-    sys.excepthook = _hook
-    if threading.current_thread() is threading.main_thread():
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            signal.signal(signal.SIGINT, _on_interrupt)
+    process.set_excepthook(_hook)
+    if process.in_main_thread():
+        if process.signal_handler(signal.SIGINT) is signal.default_int_handler:
+            process.set_signal_handler(signal.SIGINT, _on_interrupt)
     install_stop_signals()
 
 
 def install_stop_signals() -> None:
     """Install only the preemption handlers (a single process keeps Python's own Ctrl-C)."""
-    if threading.current_thread() is not threading.main_thread():
+    if not process.in_main_thread():
         return
     for signum in STOP_SIGNALS:
-        if signal.getsignal(signum) in (signal.SIG_DFL, None):
-            signal.signal(signum, _on_stop_signal)
-
-
-def write_stderr(text: str) -> None:
-    """Write to the process's real stderr and flush both streams (safe at exit)."""
-    try:
-        sys.stdout.flush()
-        stderr = sys.__stderr__ or sys.stderr  # torch's rank-prefixing hook may have swapped sys.stderr
-        stderr.write(text)
-        stderr.flush()
-    except (OSError, ValueError):  # a closed stream at exit
-        pass
-
-
-def _hard_exit(code: int) -> None:
-    write_stderr("")
-    os._exit(code)
+        if process.signal_handler(signum) in (signal.SIG_DFL, None):
+            process.set_signal_handler(signum, _on_stop_signal)
 
 
 def _on_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -179,17 +159,16 @@ def _interrupt_exit() -> None:
     if _process.rank in (0, None):
         where = _process.describe()
         write_stderr(f"[minifabric] interrupted{' ' + where if where else ''}\n")
-    _hard_exit(INTERRUPTED_EXIT_CODE)
+    process.hard_exit(INTERRUPTED_EXIT_CODE)
 
 
 def _on_stop_signal(signum: int, frame: FrameType | None) -> None:
-    if _process.stop_armed and _process.stop_signal is None:
+    if _process.stop_signal is None and _process.hold_stop():
         _process.stop_signal = signum
         return
     # nobody asks for a graceful stop (or this is the second signal): end as without minifabric
     _process.failed = True
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
+    process.end_by_signal(signum)
 
 
 def _visible(tb: TracebackType | None) -> TracebackType | None:

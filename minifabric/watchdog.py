@@ -21,7 +21,7 @@ import traceback
 from types import TracebackType
 from typing import Any
 
-from minifabric import signals
+from minifabric import process, signals
 
 _KEY = "minifabric/hang"
 _POLL_SECONDS = 0.5
@@ -74,7 +74,7 @@ def _poll(watch: _Watch) -> None:
         signals.write_stderr(
             f"[minifabric] rank {watch.rank} was here when {report}:\n{_label(stack, watch.rank)}"
         )
-        os._exit(1)
+        process.hard_exit(1)
 
 
 def _label(stack: str, rank: int) -> str:

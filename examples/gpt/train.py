@@ -294,7 +294,8 @@ while step < args.max_steps:
                 flush=True,
             )
 
-    # acc.should_stop: SIGTERM/SIGUSR1 reached some rank (preemption); every rank sees it at this step
+    # acc.should_stop: SIGTERM/SIGUSR1 reached some rank (preemption); every rank reads it here, once
+    # per step (the read is the ranks' agreement), and sees the same answer
     stop = step == args.stop_at or acc.should_stop
     if step % args.ckpt_interval == 0 or stop:
         if pending is not None:

@@ -7,7 +7,6 @@ what differs; the :class:`~minifabric.Accelerator` facade never branches on the 
 
 from __future__ import annotations
 
-import atexit
 from collections.abc import Generator
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
@@ -20,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from minifabric import collectives, signals
+from minifabric import collectives, process, signals
 from minifabric._torch import return_freed_memory
 from minifabric.checkpoint.options import CheckpointOptions
 from minifabric.environment import DEFAULT_TIMEOUT, LocalEnvironment, default_backend, share_cpu_cores
@@ -153,7 +152,7 @@ class Strategy:
         backend = self.process_group_backend or default_backend(self.root_device)
         self.timeout = collective_timeout(self.timeout, self._timeout_given)
         self.lifecycle.join(self.environment, backend, self.timeout)
-        atexit.register(self._teardown_at_exit)
+        process.at_exit(self._teardown_at_exit)
 
     def teardown(self) -> None:
         """Leave the process group.
@@ -172,8 +171,8 @@ class Strategy:
 
     @property
     def should_stop(self) -> bool:
-        """Whether any rank was asked to stop (SIGTERM/SIGUSR1), agreed at the last optimizer step."""
-        return self.lifecycle.should_stop
+        """Whether any rank was asked to stop (SIGTERM/SIGUSR1); a collective with several processes."""
+        return self.lifecycle.should_stop()
 
     # ---- modules and optimizers --------------------------------------------------------------
 
@@ -213,7 +212,7 @@ class Strategy:
         self.precision.pre_backward(tensor).backward(*args, **kwargs)
 
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        """Step through the precision plugin (gradient scaler); then agree on ``should_stop``."""
+        """Step through the precision plugin (gradient scaler); local: no communication of its own."""
         result = self.precision.optimizer_step(optimizer, **kwargs)
         self.lifecycle.step_done()
         return result

@@ -1,0 +1,149 @@
+"""Process-wide switches that are not torch's: the exception hook, signal handlers, exit handlers, exit.
+
+A Python process has one ``sys.excepthook``, one handler per signal and one list of exit handlers,
+shared by the user's code, torch and minifabric. Changing any of them changes the whole process,
+so minifabric does it only here (torch's own switches are in :mod:`minifabric._torch`): each
+switch is one named helper that says why it exists and gives back a way to undo it (a context
+manager, or a returned ``undo``). ``tests/unit/test_process_switches.py`` checks that no other
+module sets one.
+
+This module is the bottom layer: it imports nothing from minifabric.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any, NoReturn
+
+Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+
+def set_excepthook(hook: Callable[..., Any]) -> Callable[[], None]:
+    """Make ``hook`` the process's ``sys.excepthook``; return a function that puts the previous one back.
+
+    Why: an uncaught exception on one rank must be reported with the rank's number and end the
+    process at once (the launcher then ends the others), not after the interpreter's slow teardown.
+    """
+    previous = sys.excepthook
+    sys.excepthook = hook
+
+    def undo() -> None:
+        if sys.excepthook is hook:
+            sys.excepthook = previous
+
+    return undo
+
+
+def in_main_thread() -> bool:
+    """Whether this is the main thread (the only one that may install signal handlers)."""
+    return threading.current_thread() is threading.main_thread()
+
+
+def set_signal_handler(signum: int, handler: Handler) -> Handler:
+    """Install ``handler`` for ``signum`` (main thread only); return the handler it replaced.
+
+    Why: Ctrl-C and preemption signals of a rank are turned into a clean end or a stop flag
+    (:mod:`minifabric.signals`); the caller keeps the returned handler to restore it.
+    """
+    return signal.signal(signum, handler)
+
+
+def signal_handler(signum: int) -> Handler:
+    """The handler installed for ``signum`` now."""
+    return signal.getsignal(signum)
+
+
+@contextmanager
+def signal_handlers(handlers: dict[int, Handler]) -> Iterator[None]:
+    """Inside, ``handlers`` handle their signals; the previous handlers are restored on exit.
+
+    Why: the process that supervises local ranks forwards Ctrl-C and preemption signals to them
+    while it waits, and only while it waits. Outside the main thread (where Python forbids
+    signal handlers) this does nothing.
+    """
+    if not in_main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, handler) for signum, handler in handlers.items()}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def end_by_signal(signum: int) -> None:
+    """End this process with the default action of ``signum``, as if no handler had been installed.
+
+    Why: a preemption signal that nobody asked to hold must end the process as it would without
+    minifabric (exit status "killed by SIGTERM", which launchers and schedulers understand).
+    """
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def at_exit(function: Callable[[], None]) -> Callable[[], None]:
+    """Run ``function`` at interpreter exit; return a function that cancels that.
+
+    Why: a rank leaves the process group together with the others when the script ends, so no
+    rank tears down a connection another one still uses.
+    """
+    atexit.register(function)
+    return lambda: atexit.unregister(function)
+
+
+def write_stderr(text: str) -> None:
+    """Write to the process's real stderr and flush both streams (safe at exit)."""
+    try:
+        sys.stdout.flush()
+        stderr = sys.__stderr__ or sys.stderr  # torch's rank-prefixing hook may have swapped sys.stderr
+        stderr.write(text)
+        stderr.flush()
+    except (OSError, ValueError):  # a closed stream at exit
+        pass
+
+
+def hard_exit(code: int) -> NoReturn:
+    """End this process now with ``code``: no exit handlers, no interpreter teardown.
+
+    Why: a rank that must end (its peer failed, a hang was detected, Ctrl-C's grace ran out) may
+    have threads stuck in C calls; only ``os._exit`` is sure to end it.
+    """
+    write_stderr("")
+    os._exit(code)
+
+
+def leave(code: int) -> NoReturn:
+    """End this process now with ``code`` after running the exit handlers, skipping the slow teardown.
+
+    Why: a failing rank must be gone quickly so the launcher can end the others; tearing down an
+    interpreter with torch loaded takes seconds on a busy machine. Exit handlers (a pending
+    background save's report, the user's own) still run, through CPython's ``atexit._run_exitfuncs``.
+    """
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        hard_exit(code)
+
+
+def swap_class(obj: Any, cls: type) -> Callable[[], None]:
+    """Give the live object ``obj`` the class ``cls`` (a subclass of its own); return the undo.
+
+    Why: Lightning's utilities check ``isinstance`` against their own precision classes; a
+    minifabric plugin is presented to them as a subclass of both, without copying the object that
+    the strategy holds.
+    """
+    previous = type(obj)
+    obj.__class__ = cls
+
+    def undo() -> None:
+        obj.__class__ = previous
+
+    return undo

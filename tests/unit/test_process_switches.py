@@ -1,0 +1,154 @@
+"""Process-wide switches and private torch imports live in the bottom layer only; strategies never import checkpoint.
+
+Read from the source (AST), not from a running process: a switch set on a rare path (a failure, a
+signal) is found as surely as one set at import.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "minifabric"
+
+#: the modules that may set process-wide switches and import torch's private modules
+BOTTOM_LAYER = {"minifabric/process.py", "minifabric/_torch.py"}
+
+#: calls that change the whole process: (object, attribute); object None = any object or a bare name
+SWITCH_CALLS = {
+    ("signal", "signal"),
+    ("atexit", "register"),
+    ("atexit", "_run_exitfuncs"),
+    ("os", "_exit"),
+    ("torch", "set_default_dtype"),
+    ("torch", "set_num_threads"),
+    (None, "set_crc32_options"),
+}
+
+#: Work elsewhere in the tree that moves these into the bottom layer; each entry is an exception
+#: that is known today. Nothing may be added here: remove entries as they are fixed.
+KNOWN_EXCEPTIONS = {
+    ("minifabric/strategies/init_record.py", "imports private torch module torch.utils._pytree"),
+    ("minifabric/strategies/init_replay.py", "imports private torch module torch.utils._pytree"),
+    (
+        "minifabric/strategies/strategy.py",
+        "imports minifabric.checkpoint.options (strategies/ -> checkpoint/)",
+    ),
+    ("minifabric/checkpoint/sharded.py", "calls set_crc32_options"),
+}
+
+
+def _modules() -> list[tuple[str, ast.Module]]:
+    root = PACKAGE.parent
+    return [
+        (str(path.relative_to(root)), ast.parse(path.read_text())) for path in sorted(PACKAGE.rglob("*.py"))
+    ]
+
+
+def _is_private_torch(module: str) -> bool:
+    parts = module.split(".")
+    return parts[0] == "torch" and any(
+        part.startswith("_") and not part.startswith("__") for part in parts[1:]
+    )
+
+
+def _absolute(name: str, module: str | None, level: int) -> str:
+    """The absolute module of a ``from`` import in the file ``name``."""
+    if level == 0:
+        return module or ""
+    package = name[: -len(".py")].split("/")[:-level]
+    return ".".join([*package, *([module] if module else [])])
+
+
+def _violations(name: str, tree: ast.Module) -> set[tuple[str, str]]:
+    found: set[tuple[str, str]] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Attribute):
+                    owner = target.value.id if isinstance(target.value, ast.Name) else None
+                    if owner == "sys" and target.attr == "excepthook":
+                        found.add((name, "assigns sys.excepthook"))
+                    if target.attr == "__class__" and owner != "self":
+                        found.add((name, f"swaps the class of a live object ({owner}.__class__)"))
+        elif isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute):
+                owner = func.value.id if isinstance(func.value, ast.Name) else None
+                attr = func.attr
+            elif isinstance(func, ast.Name):
+                owner, attr = None, func.id
+            else:
+                continue
+            if (owner, attr) in SWITCH_CALLS or (None, attr) in SWITCH_CALLS:
+                found.add((name, f"calls {attr}" if owner is None else f"calls {owner}.{attr}"))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if _is_private_torch(alias.name):
+                    found.add((name, f"imports private torch module {alias.name}"))
+        elif isinstance(node, ast.ImportFrom):
+            module = _absolute(name, node.module, node.level)
+            if _is_private_torch(module):
+                found.add((name, f"imports private torch module {module}"))
+            elif module.startswith("torch"):
+                for alias in node.names:
+                    if alias.name.startswith("_") and _is_private_torch(f"{module}.{alias.name}"):
+                        found.add((name, f"imports private torch module {module}.{alias.name}"))
+            if name.startswith("minifabric/strategies/") and module.startswith("minifabric.checkpoint"):
+                found.add((name, f"imports {module} (strategies/ -> checkpoint/)"))
+            if name.startswith("minifabric/strategies/") and module == "minifabric":
+                for alias in node.names:
+                    if alias.name == "checkpoint":
+                        found.add((name, "imports minifabric.checkpoint (strategies/ -> checkpoint/)"))
+        if isinstance(node, ast.Import) and name.startswith("minifabric/strategies/"):
+            for alias in node.names:
+                if alias.name.startswith("minifabric.checkpoint"):
+                    found.add((name, f"imports {alias.name} (strategies/ -> checkpoint/)"))
+    return found
+
+
+def test_only_the_bottom_layer_sets_process_wide_switches_or_imports_private_torch():
+    found = set().union(*(_violations(name, tree) for name, tree in _modules() if name not in BOTTOM_LAYER))
+    new = sorted(found - KNOWN_EXCEPTIONS)
+    assert not new, (
+        "Process-wide switches and private torch imports belong in minifabric/process.py or"
+        " minifabric/_torch.py (one named, scoped helper each); strategies/ must not import checkpoint/:\n"
+        + "\n".join(f"  {path}: {what}" for path, what in new)
+    )
+
+
+def test_the_checker_finds_each_kind_of_switch():
+    source = """
+import sys, signal, atexit, os, torch
+import torch._dynamo
+from torch.utils._pytree import tree_map
+from torch.utils import _pytree
+from torch.serialization import set_crc32_options
+from ..checkpoint import options
+sys.excepthook = print
+signal.signal(2, print)
+atexit.register(print)
+atexit._run_exitfuncs()
+os._exit(1)
+torch.set_default_dtype(torch.float64)
+torch.set_num_threads(1)
+set_crc32_options(False)
+plugin.__class__ = object
+self.__class__ = object
+"""
+    found = {what for _, what in _violations("minifabric/strategies/x.py", ast.parse(source))}
+    assert found == {
+        "assigns sys.excepthook",
+        "calls signal.signal",
+        "calls atexit.register",
+        "calls atexit._run_exitfuncs",
+        "calls os._exit",
+        "calls torch.set_default_dtype",
+        "calls torch.set_num_threads",
+        "calls set_crc32_options",
+        "imports private torch module torch._dynamo",
+        "imports private torch module torch.utils._pytree",
+        "swaps the class of a live object (plugin.__class__)",
+        "imports minifabric.checkpoint (strategies/ -> checkpoint/)",
+    }, found
