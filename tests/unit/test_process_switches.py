@@ -28,8 +28,6 @@ SWITCH_CALLS = {
 #: Work elsewhere in the tree that moves these into the bottom layer; each entry is an exception
 #: that is known today. Nothing may be added here: remove entries as they are fixed.
 KNOWN_EXCEPTIONS = {
-    ("minifabric/strategies/init_record.py", "imports private torch module torch.utils._pytree"),
-    ("minifabric/strategies/init_replay.py", "imports private torch module torch.utils._pytree"),
     (
         "minifabric/strategies/strategy.py",
         "imports minifabric.checkpoint.options (strategies/ -> checkpoint/)",
