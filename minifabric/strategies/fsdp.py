@@ -164,7 +164,7 @@ class FSDPStrategy(Strategy):
         num_nodes: int,
         precision: Precision,
     ) -> None:
-        """Receive the world (see :meth:`Strategy.connect`); raise if ``device_mesh`` does not fit it."""
+        """Receive the world (see `Strategy.connect`); raise if ``device_mesh`` does not fit it."""
         super().connect(
             environment=environment,
             device=device,

@@ -154,7 +154,7 @@ class ModelParallelStrategy(Strategy):
         num_nodes: int,
         precision: Precision,
     ) -> None:
-        """Receive the world (see :meth:`Strategy.connect`) and fix the mesh sizes; raise if they do not fit."""
+        """Receive the world (see `Strategy.connect`) and fix the mesh sizes; raise if they do not fit."""
         super().connect(
             environment=environment,
             device=device,
