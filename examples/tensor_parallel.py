@@ -205,7 +205,9 @@ def main() -> None:
             # ranks of one tensor-parallel group got the same tokens; other groups, other tokens
             with acc.no_backward_sync(model, enabled=micro < args.grad_accum - 1):
                 logits = model(tokens[:, :-1])
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+                loss = F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1)
+                )
                 acc.backward(loss / args.grad_accum)
         norm = acc.clip_gradients(model, optimizer, max_norm=1.0)  # over both meshes
         optimizer.step()

@@ -28,7 +28,9 @@ def test_example_trains_and_consolidates(tmp_path):
     assert "saved and loaded" in result.stdout
 
     out = tmp_path / "model.pt"
-    result = run_command([sys.executable, "-m", "minifabric", "consolidate", str(ckpt), str(out)], timeout=120)
+    result = run_command(
+        [sys.executable, "-m", "minifabric", "consolidate", str(ckpt), str(out)], timeout=120
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     spec = importlib.util.spec_from_file_location("tensor_parallel_example", SCRIPT)
     example = importlib.util.module_from_spec(spec)
