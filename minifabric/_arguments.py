@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from minifabric._torch import track_scheduler_steps
-from minifabric.init import has_meta_tensors
+from minifabric.init import has_meta_tensors, verify_requested
 from minifabric.wrappers import _WrappedModule, _WrappedOptimizer
 
 
@@ -74,3 +74,18 @@ def check_safetensors_state(state: dict[str, Any], asynchronous: bool) -> nn.Mod
     if asynchronous:
         raise ValueError('format="safetensors" does not write asynchronously; pass `asynchronous=False`.')
     return modules[0]
+
+
+def check_init_module_arguments(empty_init: bool | None, verify: bool | None) -> bool:
+    """Whether ``init_module(empty_init, verify=verify)`` runs the meta-init self-check."""
+    if verify is not None and not isinstance(verify, bool):
+        raise TypeError(
+            f"verify must be True, False or None, got {verify!r};"
+            " e.g. `acc.init_module(empty_init=True, verify=True)`."
+        )
+    if verify and not empty_init:
+        raise ValueError(
+            f"verify=True checks meta-device init, but empty_init={empty_init!r}: use"
+            " `acc.init_module(empty_init=True, verify=True)`."
+        )
+    return bool(empty_init) and verify_requested(verify)

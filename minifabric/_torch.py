@@ -35,6 +35,7 @@ __all__ = [
     "local_box",
     "local_slice",
     "memory_tracker",
+    "module_construction_hook",
     "module_registration_hooks",
     "register_global_step_pre_hook",
     "return_freed_memory",
@@ -449,3 +450,57 @@ def track_scheduler_steps(scheduler: Any, optimizer: Any) -> Callable[[], None]:
             del optimizer.step
 
     return undo
+
+
+@contextmanager
+def module_construction_hook(
+    on_start: Callable[[nn.Module, tuple, dict], None], on_end: Callable[[nn.Module], None]
+) -> Iterator[None]:
+    """Inside, ``on_start(module, args, kwargs)`` runs when a module's outermost ``__init__`` starts
+    (with the arguments it was called with) and ``on_end(module)`` when it returns.
+
+    A process-wide switch for this thread (``sys.setprofile``), restored on exit; it slows Python
+    calls down while active. The meta-init self-check uses it to rebuild a model eagerly with the
+    arguments it was built with, and to read the random stream right after construction.
+    """
+    previous = sys.getprofile()
+    active: dict[int, types.FrameType] = {}
+
+    def profile(frame: types.FrameType, event: str, arg: Any) -> None:
+        code = frame.f_code
+        if code.co_name != "__init__" or event not in ("call", "return") or not code.co_argcount:
+            return
+        module = frame.f_locals.get(code.co_varnames[0])
+        if not isinstance(module, nn.Module):
+            return
+        if event == "call" and id(module) not in active:
+            active[id(module)] = frame
+            args, kwargs = _call_arguments(frame)
+            on_start(module, args, kwargs)
+        elif event == "return" and active.get(id(module)) is frame:
+            del active[id(module)]
+            on_end(module)
+
+    sys.setprofile(profile)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
+
+
+def _call_arguments(frame: types.FrameType) -> tuple[tuple, dict]:
+    """The positional and keyword arguments a method frame was called with (``self`` left out)."""
+    import inspect
+
+    code, local = frame.f_code, frame.f_locals
+    names = code.co_varnames
+    positional = [local[n] for n in names[1 : code.co_argcount]]
+    kwonly = names[code.co_argcount : code.co_argcount + code.co_kwonlyargcount]
+    kwargs = {n: local[n] for n in kwonly}
+    at = code.co_argcount + code.co_kwonlyargcount
+    if code.co_flags & inspect.CO_VARARGS:
+        positional.extend(local[names[at]])
+        at += 1
+    if code.co_flags & inspect.CO_VARKEYWORDS:
+        kwargs.update(local[names[at]])
+    return tuple(positional), kwargs

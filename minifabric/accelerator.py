@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from minifabric._arguments import (
     CallWithAccelerator,
+    check_init_module_arguments,
     check_safetensors_state,
     check_state,
     point_scheduler_at,
@@ -216,14 +217,23 @@ class Accelerator:
     # ---- models ------------------------------------------------------------------------------
 
     @contextmanager
-    def init_module(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+    def init_module(
+        self, empty_init: bool | None = None, *, verify: bool | None = None
+    ) -> Generator[None, None, None]:
         """Build a model inside this context: on the device, in the precision's dtype.
 
         With ``empty_init=True`` parameters are created on the meta device (no memory) and the
         init ``__init__`` applies to them is recorded; ``setup`` materializes them (under FSDP only
         each rank's shard) with the values eager construction with the same seed gives, whatever
         the strategy and world size. May be entered any number of times, before or after other
-        models' ``setup``.
+        models' ``setup``. See docs/meta-init.md for what is recorded and what is refused.
+
+        Args:
+            empty_init: create parameters on the meta device and initialize them at ``setup``.
+            verify: with ``empty_init=True``, rank 0 also builds each model eagerly on the CPU at
+                ``setup`` and compares every tensor and the random stream, raising on the first
+                difference. Default: ``MINIFABRIC_VERIFY_INIT=1`` in the environment. Use it once,
+                when model code is new or changed.
 
         Example:
             >>> import torch
@@ -237,8 +247,9 @@ class Accelerator:
             >>> model.weight.is_meta
             False
         """
+        checking = check_init_module_arguments(empty_init, verify)
         self._ensure_launched()
-        with self._strategy.module_init_context(empty_init):
+        with self._strategy.module_init_context(empty_init, verify=checking):
             yield
 
     @contextmanager

@@ -10,6 +10,7 @@ rank keeping only its part of a DTensor). The pieces, bottom to top:
 - :mod:`~minifabric.init.replay`: computing a value from its recipe.
 - :mod:`~minifabric.init.context`: the ``init_module`` context.
 - :mod:`~minifabric.init.materialize`: the ``setup`` side, for plain tensors and DTensors alike.
+- :mod:`~minifabric.init.verify`: the self-check against eager construction.
 
 This package imports nothing from ``minifabric.strategies`` or the facade; strategies call it.
 """
@@ -21,10 +22,13 @@ from minifabric.init.materialize import (
     has_meta_tensors,
     materialize,
     recorded_places,
+    reset_meta_modules,
     tied_parameters,
 )
+from minifabric.init.verify import InitMismatch, self_check, verify_requested, wants_check
 
 __all__ = [
+    "InitMismatch",
     "Place",
     "has_init_records",
     "has_meta_tensors",
@@ -33,5 +37,9 @@ __all__ = [
     "meta_init_context",
     "paused_recording",
     "recorded_places",
+    "reset_meta_modules",
+    "self_check",
     "tied_parameters",
+    "verify_requested",
+    "wants_check",
 ]

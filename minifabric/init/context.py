@@ -21,13 +21,18 @@ from torch import nn
 from minifabric._torch import module_registration_hooks
 from minifabric.init.recipe import RECORDS, Base, Handle, handle_of, module_record
 from minifabric.init.record import Recorder
+from minifabric.init.verify import noting_constructions
 
 _RECORDER: ContextVar[Recorder | None] = ContextVar("minifabric_init_recorder", default=None)
 
 
 @contextmanager
-def meta_init_context() -> Iterator[None]:
+def meta_init_context(verify: bool = False) -> Iterator[None]:
     """Create parameters on the meta device and record how ``__init__`` initializes them.
+
+    Args:
+        verify: also note how each model is constructed, so ``setup`` can build it again eagerly
+            and compare (:mod:`~minifabric.init.verify`).
 
     Example:
         >>> import torch
@@ -61,7 +66,8 @@ def meta_init_context() -> Iterator[None]:
     token = _RECORDER.set(recorder)
     try:
         with module_registration_hooks(on_parameter, on_buffer), recorder:
-            yield
+            with noting_constructions() if verify else nullcontext():
+                yield
     finally:
         _RECORDER.reset(token)
 

@@ -19,6 +19,7 @@ is its shards plus the largest parameter.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -207,6 +208,36 @@ def _qualified_names(module: nn.Module) -> dict[tuple[int, str], str]:
         for name in (*sub._parameters, *sub._buffers):
             names.setdefault((id(sub), name), f"{prefix}.{name}" if prefix else name)
     return names
+
+
+def reset_meta_modules(module: nn.Module, device: torch.device | str) -> bool:
+    """Materialize a model built under plain ``torch.device("meta")`` as Lightning Fabric does.
+
+    Such a model has no recorded init (it was not built in ``init_module(empty_init=True)``, the
+    exact path): ``to_empty`` on ``device``, then each module's ``reset_parameters()``; modules
+    without one keep uninitialized memory, named in Fabric's warning. Returns whether it did anything
+    (nothing for a model without meta tensors or built inside ``init_module``).
+    """
+    if not has_meta_tensors(module) or has_init_records(module):
+        return False
+    module.to_empty(device=device)
+    uninitialized = []
+    for sub in module.modules():
+        if not any(True for _ in (*sub.parameters(recurse=False), *sub.buffers(recurse=False))):
+            continue
+        reset = getattr(sub, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        else:
+            uninitialized.append(type(sub).__name__)
+    if uninitialized:
+        warnings.warn(
+            "Parameter initialization incomplete. The following modules have parameters or buffers with"
+            " uninitialized memory because they don't define a `reset_parameters()` method for"
+            f" re-initialization: {', '.join(dict.fromkeys(uninitialized))}",
+            stacklevel=3,
+        )
+    return True
 
 
 def tied_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:

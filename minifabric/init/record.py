@@ -119,6 +119,8 @@ class Recorder(TorchFunctionMode):
     def track(self, t: torch.Tensor, handle: Handle | Base) -> Handle:
         """Remember ``t`` as a view (or the whole) of a recorded base."""
         if isinstance(handle, Base):
+            if handle.stride is None:  # random init fills memory in stride order: part of the record
+                handle.stride = tuple(t.stride())
             handle = Handle(handle)
         RECORDS[t] = handle
         self._alive.append(t)
@@ -229,11 +231,14 @@ class Recorder(TorchFunctionMode):
             base.problem = base.problem or f"`{name}` {e}"
             return target
         op.target = handle
-        seeded = True
-        if on_meta and type(target) in (torch.Tensor, nn.Parameter) and "out" not in kwargs:
-            with seeded_op_probe() as probe:  # on meta: fails on bad shapes as eager would
-                func(*_to_meta(args), **_to_meta(kwargs))
-            seeded = bool(probe.seeded)
+        seeded = True  # unless the probe can tell: a scratch run is exact either way, only slower
+        if on_meta and type(target) in (torch.Tensor, nn.Parameter):
+            try:
+                with seeded_op_probe() as probe:
+                    func(*_to_meta(args), **_to_meta(kwargs))
+                seeded = bool(probe.seeded)
+            except (NotImplementedError, RuntimeError):
+                pass  # no meta kernel, or meta cannot take it (`out=` under a device context)
         if seeded:
             self._advance_rng(op)
         base.ops.append(op)
@@ -288,14 +293,10 @@ class Recorder(TorchFunctionMode):
         try:
             with seeded_op_probe() as probe:
                 result = func(*_to_meta(args), **_to_meta(kwargs))
-        except (NotImplementedError, RuntimeError) as e:
-            what = ", ".join(f"a {tuple(t.shape)} tensor" for t, _ in tracked)
-            raise Unrecordable(
-                f"`{name}` on {what} built under `init_module(empty_init=True)` cannot run on the meta"
-                f" device ({type(e).__name__}: {str(e).splitlines()[0]}), so its result is unknown until"
-                " `setup`. Build this model with `acc.init_module(empty_init=False)`, or compute it in"
-                " `reset_parameters()`/`forward` instead of `__init__`."
-            ) from e
+        except (NotImplementedError, RuntimeError):
+            # No meta kernel (_sample_dirichlet), a shape or a Python value that depends on the
+            # values (a boolean mask, `if w.sum() > 0`): run it once on the real values.
+            return self._run_for_real(func, name, args, kwargs)
         outputs = result if isinstance(result, (tuple, list)) else (result,)
         for index, out in enumerate(outputs):
             if not isinstance(out, torch.Tensor) or not out.is_meta or self.lookup(out) is not None:
@@ -315,6 +316,34 @@ class Recorder(TorchFunctionMode):
                 self._advance_rng(base.creator)
             self.track(out, base)
         return result
+
+    def _run_for_real(self, func: Callable, name: str, args: tuple, kwargs: dict) -> Any:
+        """Run a call with no meta kernel on the real values of what it reads; track meta stand-ins.
+
+        The run draws from the random streams exactly as eager construction does, so the states
+        before it are what replay needs.
+        """
+        op = self._op(func, name, args, kwargs)
+        gens = {k: v for k, v in op.kwargs.items() if isinstance(v, torch.Generator)}
+        states = {k: g.get_state() for k, g in gens.items()}
+        before = torch.get_rng_state()
+        result = call(op, None, resolver(), dict(gens))
+        if not torch.equal(before, torch.get_rng_state()):
+            op.rng = before
+        op.generators = {k: s for k, s in states.items() if not torch.equal(s, gens[k].get_state())}
+        many = isinstance(result, (tuple, list))
+        outputs = []
+        for index, out in enumerate(result if many else (result,)):
+            if not isinstance(out, torch.Tensor):
+                outputs.append(out)
+                continue
+            meta = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device="meta")
+            base = Base(out.shape, out.dtype, "computed")
+            base.creator = Op(op.func, op.args, op.kwargs, op.seq, name, None, index if many else None)
+            base.creator.rng, base.creator.generators = op.rng, op.generators
+            self.track(meta, base)
+            outputs.append(meta)
+        return type(result)(outputs) if many else outputs[0]
 
     def _view_args(self, args: tuple, kwargs: dict, source: torch.Tensor) -> tuple[tuple, dict]:
         def convert(v: Any) -> Any:

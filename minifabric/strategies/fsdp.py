@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from torch.optim import Optimizer
 
 from minifabric.environment import DEFAULT_TIMEOUT, LocalEnvironment
-from minifabric.init import keeping_init_records, materialize, recorded_places
+from minifabric.init import keeping_init_records
 from minifabric.precision import Precision
 from minifabric.strategies.compile import (
     CompileOption,
@@ -230,7 +230,7 @@ class FSDPStrategy(Strategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Shard ``module`` in place (blocks, then root) and materialize it if it was built on meta."""
         module, compiler = self._compiler(module)
-        places = recorded_places(module)  # raises before any collective if an init cannot be reproduced
+        places = self._recorded_places(module)  # raises before any collective if an init cannot be reproduced
         if self.sync_module_states and not places and not isinstance(module, FSDPModule):
             broadcast_module_states(module, self.root_device)
         module = self.precision.convert_module(module)
@@ -250,7 +250,7 @@ class FSDPStrategy(Strategy):
         if places:
             # With CPU offload FSDP keeps the sharded parameters in CPU memory: materialize them there.
             param_device = torch.device("cpu") if self.cpu_offload else self.root_device
-            materialize(module, places, param_device, self.root_device)
+            self._materialize(module, places, param_device, self.root_device)
         return module
 
     def _compiler(self, module: nn.Module) -> tuple[nn.Module, Compiler | None]:

@@ -23,7 +23,15 @@ from minifabric import collectives, process, signals
 from minifabric._torch import return_freed_memory
 from minifabric.checkpoint.options import CheckpointOptions
 from minifabric.environment import DEFAULT_TIMEOUT, LocalEnvironment, default_backend, share_cpu_cores
-from minifabric.init import materialize, meta_init_context
+from minifabric.init import (
+    InitMismatch,
+    materialize,
+    meta_init_context,
+    recorded_places,
+    reset_meta_modules,
+    self_check,
+    wants_check,
+)
 from minifabric.launcher import JoinLauncher, Launcher, LocalLauncher
 from minifabric.lifecycle import Lifecycle, collective_timeout
 from minifabric.precision import Precision
@@ -176,9 +184,9 @@ class Strategy:
 
     # ---- modules and optimizers --------------------------------------------------------------
 
-    def module_init_context(self, empty_init: bool | None = None) -> ContextManager:
-        """Where and in which dtype ``init_module`` creates a model."""
-        return _module_init_context(self, bool(empty_init))
+    def module_init_context(self, empty_init: bool | None = None, verify: bool = False) -> ContextManager:
+        """Where and in which dtype ``init_module`` creates a model (``verify``: see ``init_module``)."""
+        return _module_init_context(self, bool(empty_init), verify)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Materialize, convert precision and move to device; return the module forward should call.
@@ -195,9 +203,43 @@ class Strategy:
 
     def _place_module(self, module: nn.Module) -> nn.Module:
         """Materialize, convert precision and move to device (subclasses wrap the result)."""
-        materialize(module, device=self.root_device)
+        self._materialize(module, self._recorded_places(module), self.root_device)
         module = self.precision.convert_module(module)
         return module.to(self.root_device)
+
+    def _recorded_places(self, module: nn.Module) -> list:
+        """The recorded init of ``module``'s meta tensors (:func:`minifabric.init.recorded_places`).
+
+        A model built under plain ``torch.device("meta")`` (outside ``init_module``) is materialized
+        here as Lightning Fabric does: ``to_empty`` and each module's ``reset_parameters()``.
+        """
+        reset_meta_modules(module, self.root_device)
+        return recorded_places(module)
+
+    def _materialize(
+        self, module: nn.Module, places: list, device: torch.device, buffer_device: torch.device | None = None
+    ) -> None:
+        """Give ``module``'s meta tensors their eager values (:func:`minifabric.init.materialize`).
+
+        Any parameter layout works (plain tensors, DTensors of any placement on any mesh), so a
+        strategy calls this after placing the model. A model built with the self-check on is
+        compared with an eager build on rank 0; a difference raises on every rank.
+        """
+        if not places:
+            return
+        if not wants_check(module):
+            materialize(module, places, device, buffer_device)
+            return
+        error = None
+        try:
+            check = self_check(module, self.precision.tensor_init_context) if self.is_global_zero else None
+            materialize(module, places, device, buffer_device, on_value=check)
+        except InitMismatch as e:
+            error = str(e)
+        if self.world_size > 1:
+            error = self.broadcast(error, src=0)
+        if error is not None:
+            raise InitMismatch(error)
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Return the optimizer to step (e.g. a sharded replacement)."""
@@ -278,13 +320,13 @@ _ACTIVE_INIT: ContextVar[Strategy | None] = ContextVar("minifabric_active_init",
 
 
 @contextmanager
-def _module_init_context(strategy: Strategy, empty_init: bool) -> Generator[None, None, None]:
+def _module_init_context(strategy: Strategy, empty_init: bool, verify: bool) -> Generator[None, None, None]:
     device = torch.device("cpu") if empty_init else strategy.root_device
     token = _ACTIVE_INIT.set(strategy)
     try:
         with strategy.precision.tensor_init_context(), device:
             if empty_init:
-                with meta_init_context():
+                with meta_init_context(verify=verify):
                     yield
             else:
                 yield

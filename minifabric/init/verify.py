@@ -1,0 +1,160 @@
+"""The self-check: compare meta init with eager construction, tensor by tensor, and the random stream.
+
+With ``init_module(empty_init=True, verify=True)`` (or ``MINIFABRIC_VERIFY_INIT=1``) the context
+notes, for each model built in it, its class, the arguments its ``__init__`` was called with and
+the random generator's state before and after. At ``setup``, :func:`self_check` (run on rank 0)
+builds the model again eagerly on the CPU from that state and returns a function that
+:func:`~minifabric.init.materialize.materialize` calls with each replayed full value: the first
+value that differs from the eager one raises :class:`InitMismatch` naming the tensor. The random
+stream after the eager build must equal the one after the meta build.
+
+It costs one eager model in rank 0's CPU memory and the time to build it: use it once, when model
+code is new or changed, not in every run.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager as ContextManager
+from contextlib import contextmanager
+from dataclasses import dataclass
+from weakref import WeakKeyDictionary
+
+import torch
+from torch import nn
+
+from minifabric._torch import module_construction_hook
+
+#: set to 1 to turn the self-check on for every ``init_module(empty_init=True)``
+VERIFY_ENV = "MINIFABRIC_VERIFY_INIT"
+
+
+class InitMismatch(RuntimeError):
+    """Meta-device init gave a value that eager construction with the same seed does not."""
+
+
+@dataclass
+class _Construction:
+    cls: type
+    args: tuple
+    kwargs: dict
+    rng_before: torch.Tensor
+    rng_after: torch.Tensor | None = None
+
+
+#: model built with the self-check on -> how it was built
+_BUILT: WeakKeyDictionary[nn.Module, _Construction] = WeakKeyDictionary()
+
+
+def verify_requested(verify: bool | None) -> bool:
+    """``verify`` if given, else whether ``MINIFABRIC_VERIFY_INIT`` is set to 1."""
+    if verify is None:
+        value = os.environ.get(VERIFY_ENV, "0")
+        if value not in ("0", "1", ""):
+            raise ValueError(
+                f"{VERIFY_ENV} must be 0 or 1, got {value!r}; e.g. `{VERIFY_ENV}=1 python train.py`."
+            )
+        return value == "1"
+    return verify
+
+
+@contextmanager
+def noting_constructions() -> Iterator[None]:
+    """Inside, each outermost module construction is noted for :func:`self_check`."""
+    stack: list[nn.Module] = []
+
+    def on_start(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not stack:
+            _BUILT[module] = _Construction(type(module), args, kwargs, torch.get_rng_state())
+        stack.append(module)
+
+    def on_end(module: nn.Module) -> None:
+        stack.pop()
+        if not stack and module in _BUILT:
+            _BUILT[module].rng_after = torch.get_rng_state()
+
+    with module_construction_hook(on_start, on_end):
+        yield
+
+
+def wants_check(module: nn.Module) -> bool:
+    """Whether ``module`` was built with the self-check on (the same answer on every rank)."""
+    return module in _BUILT
+
+
+def self_check(
+    module: nn.Module, build_context: Callable[[], ContextManager]
+) -> Callable[[str, torch.Tensor], None] | None:
+    """Build ``module`` again eagerly; return the check :func:`materialize` calls with each full value.
+
+    Also checks at once the random stream after construction and the tensors that are already real.
+
+    Args:
+        module: a model built inside ``init_module(empty_init=True, verify=True)``.
+        build_context: the context the model was built in (the precision's default dtype).
+
+    Raises:
+        InitMismatch: the first difference, naming the tensor (or the random stream) and the fix.
+    """
+    built = _BUILT.pop(module, None)
+    if built is None:
+        warnings.warn(
+            f"The meta-init self-check cannot rebuild this {type(module).__name__}: it was not constructed"
+            " directly inside `init_module(empty_init=True, verify=True)` (a copy, or a module assembled from"
+            " parts), so it is set up unchecked.",
+            stacklevel=3,
+        )
+        return None
+    with torch.random.fork_rng(devices=[]), build_context(), torch.device("cpu"):
+        torch.set_rng_state(built.rng_before)
+        eager = built.cls(*built.args, **built.kwargs)
+        after = torch.get_rng_state()
+    if built.rng_after is not None and not torch.equal(after, built.rng_after):
+        raise InitMismatch(
+            f"The random stream after building {built.cls.__name__} under `init_module(empty_init=True)`"
+            " is not where eager construction leaves it: a random call in its `__init__` was not recorded."
+            " Build it with `acc.init_module(empty_init=False)` (and report the model code)."
+        )
+    expected = {
+        name: t.detach()
+        for name, t in [
+            *eager.named_parameters(remove_duplicate=False),
+            *eager.named_buffers(remove_duplicate=False),
+        ]
+    }
+    for name, t in [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]:
+        if not t.is_meta and type(t) in (torch.Tensor, nn.Parameter):
+            _compare(built.cls, name, t.detach().cpu(), expected)
+
+    def check(name: str, full: torch.Tensor) -> None:
+        _compare(built.cls, name, full, expected)
+
+    return check
+
+
+def _compare(cls: type, name: str, value: torch.Tensor, expected: dict[str, torch.Tensor]) -> None:
+    want = expected.get(name)
+    if want is None:
+        raise InitMismatch(f"{cls.__name__}.{name} exists after meta init but not after eager construction.")
+    if want.shape != value.shape or want.dtype != value.dtype or not torch.equal(want, value):
+        if want.shape == value.shape and want.dtype == value.dtype:
+            differ = (
+                (want != value) & ~(want.isnan() & value.isnan())
+                if want.is_floating_point()
+                else want != value
+            )
+            detail = f"{int(differ.sum())} of {want.numel()} values differ"
+        else:
+            detail = (
+                f"eager gives {tuple(want.shape)} {want.dtype}, meta init {tuple(value.shape)} {value.dtype}"
+            )
+        raise InitMismatch(
+            f"Meta-device init of {cls.__name__}.{name} differs from eager construction with the same seed"
+            f" ({detail}): its init is not recorded exactly. Build this model with"
+            " `acc.init_module(empty_init=False)` (and report the model code)."
+        )
