@@ -142,11 +142,15 @@ def fake_world(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def fake_tensor_mode() -> Any:
-    """torch's ``FakeTensorMode``: tensors carry shape, dtype and device but no data."""
+def fake_tensor_mode(allow_real_inputs: bool = False) -> Any:
+    """torch's ``FakeTensorMode``: tensors carry shape, dtype and device but no data.
+
+    ``allow_real_inputs``: meta and real tensors made outside may enter (a model sharded on the
+    meta device, the index tensors of a 2-D ``DeviceMesh``).
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    return FakeTensorMode()
+    return FakeTensorMode(allow_non_fake_inputs=allow_real_inputs)
 
 
 def memory_tracker(module: nn.Module, optimizer: torch.optim.Optimizer, fsdp: bool) -> Any:

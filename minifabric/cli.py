@@ -142,7 +142,7 @@ def _add_estimate(commands: Any) -> None:
         "--kwarg", action="append", default=[], metavar="KEY=VALUE",
         help="a keyword argument for the factory, or a config field (VALUE is read as JSON if it parses)",
     )  # fmt: skip
-    estimate.add_argument("--strategy", choices=("single", "ddp", "fsdp"), default="fsdp")
+    estimate.add_argument("--strategy", choices=("single", "ddp", "fsdp", "model_parallel"), default="fsdp")
     estimate.add_argument("--world-size", "--world_size", type=int, default=1, help="number of ranks")
     estimate.add_argument("--precision", default="32-true", help='e.g. "bf16-mixed" (default: 32-true)')
     estimate.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw")
@@ -154,6 +154,12 @@ def _add_estimate(commands: Any) -> None:
     )
     estimate.add_argument("--activation-checkpointing", action="store_true", help="recompute each block")
     estimate.add_argument("--budget", default=None, help='memory per device, e.g. "80GiB"')
+    estimate.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="ranks per tensor-parallel group (model_parallel)"
+    )
+    estimate.add_argument(
+        "--parallelize", default=None, help="pkg.module:parallelize, the ModelParallelStrategy function"
+    )
     estimate.set_defaults(handler=_estimate)
 
 
@@ -192,6 +198,8 @@ def _estimate(args: argparse.Namespace) -> None:
         input_dtype=torch.long if args.input_dtype == "long" else torch.float32,
         activation_checkpointing=args.activation_checkpointing,
         budget=args.budget,
+        tensor_parallel_size=args.tensor_parallel_size,
+        parallelize_fn=args.parallelize,
     )
     print(result)
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minifabric._torch import fake_tensor_mode, fake_world, memory_tracker
+from minifabric.estimate_tp import give_fake_storage, resolve_parallelize_fn, sharded_meta_model
 from minifabric.precision import precision_from_string
 from minifabric.strategies.fsdp_wrap import (
     apply_activation_checkpointing,
@@ -38,14 +39,14 @@ from minifabric.strategies.fsdp_wrap import (
     shard_model,
 )
 
-StrategyName = Literal["single", "ddp", "fsdp"]
+StrategyName = Literal["single", "ddp", "fsdp", "model_parallel"]
 OptimizerName = Literal["adamw", "adam", "sgd"]
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
     "adam": torch.optim.Adam,
     "sgd": torch.optim.SGD,
 }
-STRATEGIES = ("single", "ddp", "fsdp")
+STRATEGIES = ("single", "ddp", "fsdp", "model_parallel")
 GiB = 2**30
 
 # the tracker's tensor kinds (plain and FSDP) -> the categories we report
@@ -112,6 +113,8 @@ def estimate_memory(
     input_dtype: torch.dtype = torch.long,
     activation_checkpointing: bool = False,
     budget: int | str | None = None,
+    tensor_parallel_size: int = 1,
+    parallelize_fn: str | Callable[..., nn.Module] | None = None,
 ) -> MemoryEstimate:
     """Estimate the per-rank peak memory of training ``model`` (no real memory is allocated).
 
@@ -120,7 +123,10 @@ def estimate_memory(
             ``"pkg.module:make_model"``, a Hugging Face config (``transformers.PretrainedConfig``) or
             the path of its ``config.json`` (needs ``transformers``; ``model_kwargs`` override fields).
         model_kwargs: keyword arguments for the factory, or config fields to override.
-        strategy: ``"single"``, ``"ddp"`` or ``"fsdp"`` (``FULL_SHARD``, each repeated block a unit).
+        strategy: ``"single"``, ``"ddp"``, ``"fsdp"`` (``FULL_SHARD``, each repeated block a unit) or
+            ``"model_parallel"`` (``ModelParallelStrategy``: ``parallelize_fn`` on a
+            ``(world_size / tensor_parallel_size, tensor_parallel_size)`` mesh, then FSDP over the
+            data-parallel dimension).
         world_size: number of ranks.
         precision: an ``Accelerator`` precision string, e.g. ``"bf16-mixed"``.
         optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"`` (without momentum: no state).
@@ -129,6 +135,9 @@ def estimate_memory(
             cross-entropy when the output has one more dimension than the input, else a mean).
         activation_checkpointing: recompute each repeated block's activations in backward.
         budget: bytes per device (int) or a string such as ``"80GiB"`` / ``"24GB"``.
+        tensor_parallel_size: ranks per tensor-parallel group (``"model_parallel"`` only).
+        parallelize_fn: the ``parallelize_fn(model, device_mesh)`` of ``ModelParallelStrategy``, or
+            its import path ``"pkg.module:parallelize"`` (``"model_parallel"`` only).
 
     Returns:
         A :class:`MemoryEstimate` (``print`` it for a table).
@@ -140,6 +149,7 @@ def estimate_memory(
         True
     """
     _check(strategy, world_size, optimizer, batch_shape)
+    parallelize = resolve_parallelize_fn(strategy, world_size, tensor_parallel_size, parallelize_fn)
     precision_from_string(precision, "cpu")  # raises on an unknown precision string
     factory = model_factory(model, model_kwargs or {})
     budget_bytes = parse_bytes(budget) if budget is not None else None
@@ -151,6 +161,8 @@ def estimate_memory(
         batch_shape=tuple(batch_shape),
         input_dtype=input_dtype,
         activation_checkpointing=activation_checkpointing,
+        tensor_parallel_size=tensor_parallel_size,
+        parallelize_fn=parallelize,
     )
     estimate = _extrapolated(factory, run)
     if budget_bytes is None:
@@ -276,18 +288,30 @@ def _block_list(model: nn.Module) -> nn.ModuleList | None:
 def _trace(factory: Factory, run: dict[str, Any], keep_blocks: int | None) -> dict[str, int]:
     """Bytes per tensor kind at the peak of two fake training steps."""
     precision = precision_from_string(run["precision"], "cpu")
-    fsdp = run["strategy"] == "fsdp"
+    two_d = run["strategy"] == "model_parallel"
+    fsdp = run["strategy"] == "fsdp" or two_d
     world = fake_world(run["world_size"]) if fsdp else nullcontext()
     with world:
-        mesh = build_mesh("FULL_SHARD", "cpu", 1, run["world_size"]) if fsdp else None
-        with fake_tensor_mode():
-            with precision.tensor_init_context():
-                model = factory(keep_blocks)
-            blocks = _block_list(model)
-            if keep_blocks is not None and blocks is not None:
-                del blocks[keep_blocks:]
-            model = precision.convert_module(model).train()
-            if run["activation_checkpointing"]:
+        mesh = build_mesh("FULL_SHARD", "cpu", 1, run["world_size"]) if fsdp and not two_d else None
+        meta = None
+        if two_d:
+            meta = sharded_meta_model(
+                lambda: _kept(factory(keep_blocks), keep_blocks),
+                run["parallelize_fn"],
+                run["world_size"],
+                run["tensor_parallel_size"],
+                precision,
+                run["activation_checkpointing"],
+            )
+        with fake_tensor_mode(allow_real_inputs=two_d):
+            if meta is not None:
+                model = meta
+                give_fake_storage(model)
+            else:
+                with precision.tensor_init_context():
+                    model = _kept(factory(keep_blocks), keep_blocks)
+                model = precision.convert_module(model).train()
+            if run["activation_checkpointing"] and meta is None:
                 apply_activation_checkpointing(model, repeated_block_classes(model))
             if mesh is not None:
                 policy = mixed_precision_policy(precision)
@@ -318,6 +342,14 @@ def _trace(factory: Factory, run: dict[str, Any], keep_blocks: int | None) -> di
             p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
         )
     return counts
+
+
+def _kept(model: nn.Module, keep_blocks: int | None) -> nn.Module:
+    """``model`` with only its first ``keep_blocks`` repeated blocks (all if None)."""
+    blocks = _block_list(model)
+    if keep_blocks is not None and blocks is not None:
+        del blocks[keep_blocks:]
+    return model
 
 
 def _create_state(optimizer: torch.optim.Optimizer) -> None:
@@ -354,7 +386,11 @@ def _loss(output: Any, inputs: torch.Tensor) -> torch.Tensor:
 def _estimate(counts: dict[str, int], run: dict[str, Any]) -> MemoryEstimate:
     parts = {name: sum(counts.get(kind, 0) for kind in kinds) for name, kinds in _CATEGORIES.items()}
     parts["communication"] += counts.get("DDP buckets", 0)
-    sharded = sum(counts.get(kind, 0) for kind in _SHARDED) if run["strategy"] == "fsdp" else 0
+    sharded = (
+        sum(counts.get(kind, 0) for kind in _SHARDED)
+        if run["strategy"] != "single" and run["strategy"] != "ddp"
+        else 0
+    )
     return MemoryEstimate(
         parts["parameters"],
         parts["gradients"],

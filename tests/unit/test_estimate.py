@@ -90,3 +90,28 @@ def test_bad_model_and_an_existing_process_group_raise() -> None:
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     with pytest.raises(RuntimeError, match=r"before `acc.launch\(\)`"):
         estimate_memory(make_gpt, model_kwargs=SMALL, world_size=2, batch_shape=(2, 8))
+
+
+def test_model_parallel_estimate_shards_over_both_dimensions(capsys) -> None:
+    """(dp, tp) = (2, 2): the plan's and FSDP's shards both count; the CLI takes the plan by import path."""
+    from tests.tp_models import TPTransformer, parallelize
+
+    n = sum(p.numel() for p in TPTransformer().parameters())
+    two_d = estimate_memory(
+        TPTransformer,
+        strategy="model_parallel",
+        world_size=4,
+        tensor_parallel_size=2,
+        parallelize_fn=parallelize,
+        batch_shape=(2, 8),
+    )
+    # AdamW: two float32 moments per parameter, each rank holding a quarter (uneven shards: a little more)
+    assert 2 * 4 * n / 4 <= two_d.optimizer_state <= 1.1 * 2 * 4 * n / 4
+    assert two_d.strategy == "model_parallel" and two_d.world_size == 4
+    with pytest.raises(ValueError, match="tensor_parallel_size=3"):
+        estimate_memory(TPTransformer, strategy="model_parallel", world_size=4, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="needs parallelize_fn"):
+        estimate_memory(TPTransformer, strategy="model_parallel", world_size=4, tensor_parallel_size=2)
+    main(["estimate", "tests.tp_models:TPTransformer", "--strategy", "model_parallel", "--world-size", "4",
+          "--tensor-parallel-size", "2", "--parallelize", "tests.tp_models:parallelize", "--batch-shape", "2,8"])  # fmt: skip
+    assert "model_parallel x 4" in capsys.readouterr().out
