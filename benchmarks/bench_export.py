@@ -54,7 +54,7 @@ def save(acc: Accelerator, folder: str, layers: int, width: int) -> None:
 def measure(checkpoint: str, output: str) -> dict:
     """Export ``checkpoint`` to ``output`` in this process; its peak RSS above the RSS before, and sizes."""
     from minifabric.checkpoint.hf import export_safetensors
-    from minifabric.checkpoint.restore import open_checkpoint
+    from minifabric.checkpoint.read import open_checkpoint
 
     tree = open_checkpoint(Path(checkpoint)).tree["model"]
     sizes = [torch.Size(ref["shape"]).numel() * 4 for ref in tree.values()]

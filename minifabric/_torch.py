@@ -25,6 +25,7 @@ __all__ = [
     "check_torch_version",
     "checkpoint_activations",
     "compile_in_place",
+    "dcp_storage_info",
     "default_dtype",
     "default_store",
     "fake_tensor_mode",
@@ -39,6 +40,7 @@ __all__ = [
     "module_registration_hooks",
     "register_global_step_pre_hook",
     "return_freed_memory",
+    "save_without_crc32",
     "seeded_op_probe",
     "split_compiled",
     "storage_key",
@@ -508,3 +510,30 @@ def _call_arguments(frame: types.FrameType) -> tuple[tuple, dict]:
     if code.co_flags & inspect.CO_VARKEYWORDS:
         kwargs.update(local[names[at]])
     return tuple(positional), kwargs
+
+
+def save_without_crc32(obj: Any, stream: Any) -> None:
+    """``torch.save(obj, stream)`` without the CRC32 of every record, for this call only.
+
+    ``torch.serialization.set_crc32_options`` is process-wide: flipping it from a background save
+    would drop the checksums of a user's own ``torch.save`` running meanwhile. This builds the
+    archive writer with the option given per call instead (the CRC32 costs about a third of the
+    write time of a shard; completeness is checked by the commit record's file sizes).
+    """
+    import pickle
+
+    from torch.serialization import DEFAULT_PROTOCOL, _get_storage_alignment, _save
+
+    writer = torch._C.PyTorchFileWriter(stream, False, _get_storage_alignment())
+    try:
+        _save(obj, writer, pickle, DEFAULT_PROTOCOL, False)
+    finally:
+        writer.write_end_of_file()
+    stream.flush()
+
+
+def dcp_storage_info(relative_path: str, offset: int, length: int) -> Any:
+    """DCP's record of where one saved item lies in a ``.distcp`` file (``_StorageInfo``)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo(relative_path, offset, length)

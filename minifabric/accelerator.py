@@ -529,7 +529,7 @@ class Accelerator:
             CheckpointError: no checkpoint at ``path``, an interrupted save, or keys and shapes that
                 do not match.
         """
-        from minifabric.checkpoint.state import is_stateful  # imports DTensor: only when loading
+        from minifabric.checkpoint.format import is_stateful
 
         if state is None:
             state = {}

@@ -30,13 +30,33 @@ def any_rank(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
     return bool(tensor.item())
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Return rank ``src``'s picklable object on every rank."""
+def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
+    """Return rank ``src``'s picklable object on every rank (of ``group``, default: all)."""
     if _world_size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def gather_object(obj: Any, dst: int = 0, group: dist.ProcessGroup | None = None) -> list[Any] | None:
+    """Every rank's picklable object, in rank order, on rank ``dst`` (None elsewhere)."""
+    world = _world_size()
+    if world == 1:
+        return [obj]
+    out: list[Any] | None = [None] * world if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
+def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's picklable object, in rank order, on every rank."""
+    world = _world_size()
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def _as_tensor(data: Any, device: torch.device) -> torch.Tensor:

@@ -1,16 +1,22 @@
-"""The checkpoint's own process group and the few object collectives a save needs.
+"""The checkpoint's own process group, its object collectives, and the agreement that ends every phase.
 
 Checkpoint traffic runs on a separate gloo group, created once per strategy on the first save, so
 an asynchronous save that is still writing in a background thread never interleaves its
 collectives with the training loop's collectives on the default group.
+
+Every phase of a save or load runs inside :meth:`Comm.agreed`: an exception on any rank makes
+every rank raise the same :class:`CheckpointError` at the end of the phase.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch.distributed as dist
 
+from minifabric import collectives
 from minifabric.checkpoint.errors import CheckpointError, UnsaveableValueError
 
 
@@ -59,27 +65,41 @@ class Comm:
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's object on every rank."""
-        if not self.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+        return collectives.broadcast_object(obj, 0, self.group) if self.distributed else obj
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's object, in rank order, on rank 0 (None elsewhere)."""
-        if not self.distributed:
-            return [obj]
-        out: list[Any] | None = [None] * self.world_size if self.is_zero else None
-        dist.gather_object(obj, out, dst=0, group=self.group)
-        return out
+        return collectives.gather_object(obj, 0, self.group) if self.distributed else [obj]
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's object, in rank order, on every rank."""
-        if not self.distributed:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return collectives.all_gather_object(obj, self.group) if self.distributed else [obj]
+
+    @contextmanager
+    def agreed(
+        self, context: str, outcome: str = "", on_failure: Callable[[], None] | None = None
+    ) -> Iterator[None]:
+        """Run the body of one phase, then agree on its outcome (collective: every rank enters it).
+
+        Whatever the body raises (any exception: DCP's derives from ``BaseException``) is shared;
+        if any rank failed, ``on_failure`` runs on every rank (e.g. removing a staging folder) and
+        every rank raises the same :class:`CheckpointError` (see :meth:`agree`).
+
+        Example:
+            >>> with comm.agreed("Loading 'ckpt' failed", "; nothing was changed."):  # doctest: +SKIP
+            ...     opened = read.open_checkpoint(path)
+        """
+        error: BaseException | None = None
+        try:
+            yield
+        except BaseException as err:  # shared with the other ranks below, whatever it is
+            error = err
+        try:
+            self.agree(error, context, outcome)
+        except CheckpointError:
+            if on_failure is not None:
+                on_failure()
+            raise
 
     def agree(self, error: BaseException | None, context: str = "", outcome: str = "") -> None:
         """Raise the same error on every rank if any rank failed (collective: every rank must call it).

@@ -36,11 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from minifabric.checkpoint.durable import fsync_path, replacing
 from minifabric.checkpoint.errors import CheckpointError
 
 POINTER = "LATEST"
 RECORD = "COMMIT.json"
-SIDE_RECORD = "minifabric.pt"
 FORMAT_NAME = "minifabric-sharded"
 PARTIAL = ".partial-"
 FAULT_ENV = "MINIFABRIC_CHECKPOINT_FAULT"
@@ -126,15 +126,6 @@ def make_staging(path: Path) -> Staging:
     return Staging(path, container, work, created)
 
 
-def fsync_path(path: Path) -> None:
-    """Flush a file or a directory entry to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_record(folder: Path, world_size: int) -> dict[str, Any]:
     """Write the commit record into ``folder`` (rank 0, after every rank finished); return it."""
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != RECORD}
@@ -145,13 +136,8 @@ def write_record(folder: Path, world_size: int) -> dict[str, Any]:
         "created": time.time(),
         "files": files,
     }
-    tmp = folder / f".{RECORD}.tmp"
-    with open(tmp, "w") as f:
+    with replacing(folder / RECORD, "w", tmp_name=f".{RECORD}.tmp") as f:
         json.dump(record, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / RECORD)
-    fsync_path(folder)
     return record
 
 
@@ -163,20 +149,19 @@ def _next_version(container: Path) -> str:
 def commit(staging: Staging, world_size: int, rank: int = 0) -> None:
     """Make the finished ``staging.work`` the checkpoint at ``staging.path`` (rank 0; see the module doc)."""
     fault("before_commit", rank)
+
+    def after_tmp() -> None:
+        fault("after_pointer_tmp", rank)
+
     write_record(staging.work, world_size)
     fault("after_commit_record", rank)
     version = staging.container / _next_version(staging.container)
     os.rename(staging.work, version)
     fsync_path(staging.container)
     fault("after_rename", rank)
-    tmp = staging.container / f".{POINTER}.tmp"
-    with open(tmp, "w") as f:
+    pointer_tmp = f".{POINTER}.tmp"
+    with replacing(staging.container / POINTER, "w", tmp_name=pointer_tmp, before_replace=after_tmp) as f:
         f.write(version.name)
-        f.flush()
-        os.fsync(f.fileno())
-    fault("after_pointer_tmp", rank)
-    os.replace(tmp, staging.container / POINTER)
-    fsync_path(staging.container)
     fault("after_pointer", rank)
     if staging.replaces_file:
         aside = staging.path.parent / f"{_aside_prefix(staging.path)}{uuid.uuid4().hex[:8]}"

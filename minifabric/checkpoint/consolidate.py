@@ -10,10 +10,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from minifabric.checkpoint import full
+import torch
+
+from minifabric.checkpoint import durable
 from minifabric.checkpoint.errors import CheckpointError
-from minifabric.checkpoint.restore import materialize, open_checkpoint
-from minifabric.checkpoint.state import FORMAT_KEY
+from minifabric.checkpoint.format import FORMAT_KEY
+from minifabric.checkpoint.read import open_checkpoint, read_entries
+from minifabric.checkpoint.save import writable_file_error
 
 
 def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike) -> Path:
@@ -33,15 +36,17 @@ def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike) -> Pat
             f"{str(src)!r} is not a sharded checkpoint folder; only those need consolidating."
         )
     opened = open_checkpoint(src)
-    error = full.writable_file_error(dst)
+    error = writable_file_error(dst)
     if error:
         raise CheckpointError(error)
     kinds = opened.meta.get("kinds", {})
     no_layout = lambda path: None  # noqa: E731  (plain full tensors, no process group)
-    tensors = materialize(
-        opened, {k: no_layout for k in opened.tree if kinds.get(k) in ("module", "optimizer")}
-    )
-    state = {**opened.tree, **tensors}
+    wanted = {
+        k: (tree, no_layout) for k, tree in opened.tree.items() if kinds.get(k) in ("module", "optimizer")
+    }
+    state = {**opened.tree, **read_entries(opened, wanted)}
     meta = {**opened.meta, "format": "full"}
-    full.write_atomic(dst, {FORMAT_KEY: meta, "state": state})
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with durable.replacing(dst) as f:
+        torch.save({FORMAT_KEY: meta, "state": state}, f)
     return dst

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from minifabric.checkpoint.errors import CheckpointError
-from minifabric.checkpoint.tensors import TENSOR_REF
+from minifabric.checkpoint.format import TENSOR_REF, is_ref, safe_load
 
 META = "meta.pt"
 _OBJECT = "__object__"  # placeholder of a non-tensor DCP value until it is read
@@ -43,14 +43,10 @@ def _kind(value: Any) -> str | None:
     if (
         isinstance(value, dict)
         and value
-        and all(isinstance(v, torch.Tensor) or _is_ref(v) for v in value.values())
+        and all(isinstance(v, torch.Tensor) or is_ref(v) for v in value.values())
     ):
         return "module"
     return None
-
-
-def _is_ref(value: Any) -> bool:
-    return isinstance(value, dict) and TENSOR_REF in value
 
 
 def _layout(tree: dict[str, Any], rest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -93,14 +89,7 @@ def folder_layout(path: Path, reader: Any, read: Any) -> tuple[dict[str, Any], d
     if objects:
         read(objects)
     tree = _fill(tree, objects)
-    try:
-        rest = torch.load(path / META, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise CheckpointError(
-            f"{str(path / META)!r} needs unpickling of arbitrary classes, which loading never does"
-            f" ({type(err).__name__}: {str(err).splitlines()[0]}). Re-save those values as plain Python"
-            " values (dicts, numbers, strings, tensors) with Fabric first."
-        ) from err
+    rest = safe_load(path / META, str(path / META))
     if not isinstance(rest, dict):
         raise CheckpointError(f"{str(path / META)!r} is not a dict of values; this is no Fabric checkpoint.")
     return _layout(tree, rest)

@@ -4,17 +4,17 @@ The facade owns one :class:`Checkpointer` and passes it, on every save, the stra
 :class:`~minifabric.checkpoint.options.CheckpointOptions` (sharded or full): the service never sees
 the strategy.
 
-``save`` gathers what to write on the calling thread (state dicts, each rank's RNG and stateful
-states). For an asynchronous save a background thread then copies every tensor to CPU (the next
-``optimizer.step()``, and the next forward of a module with buffers, wait for that copy) and writes
-and commits the copy over the checkpoint's own gloo group, while training goes on. A later save or load waits
-for that write first; the thread is not a daemon, so the interpreter also waits for it at exit.
+A save is ``saving.prepare -> collect -> write -> commit`` (``save.py``), a load is ``load.load``
+(``load.py``). For an asynchronous save, ``prepare`` and ``collect`` run on the calling thread;
+a background thread then takes an agreed copy of every tensor to CPU (the next
+``optimizer.step()``, and the next forward of a module with buffers, wait for that copy) and
+writes and commits the copy over the checkpoint's own gloo group, while training goes on. A later
+save or load waits for that write first, and so does the end of the process (``wait_at_exit``).
 """
 
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,12 +22,12 @@ from typing import Any
 from torch import nn
 
 from minifabric._torch import hold_state_changes
-from minifabric.checkpoint import commit, full, periodic, restore, rng, sharded
+from minifabric.checkpoint import load as loading
+from minifabric.checkpoint import raw
+from minifabric.checkpoint import save as saving
 from minifabric.checkpoint.comm import Comm
 from minifabric.checkpoint.errors import CheckpointError
-from minifabric.checkpoint.hf.ties import tied_groups
 from minifabric.checkpoint.options import CheckpointOptions
-from minifabric.checkpoint.state import FORMAT_KEY, FORMAT_VERSION, collect, kinds, refuse_unloadable
 from minifabric.checkpoint.tensors import stage
 
 
@@ -75,8 +75,8 @@ class SaveHandle:
 class Checkpointer:
     """Saves and loads checkpoints (the format of a save follows its ``CheckpointOptions``).
 
-    Every phase of a save or load ends with an agreement between the ranks (:meth:`Comm.agree`): an
-    exception on any rank makes every rank raise the same :class:`CheckpointError`, the staging
+    Every stage of a save or load ends with an agreement between the ranks (:meth:`Comm.agreed`):
+    an exception on any rank makes every rank raise the same :class:`CheckpointError`, the staging
     folder is removed, and nothing is committed or applied.
     """
 
@@ -117,124 +117,34 @@ class Checkpointer:
     ) -> SaveHandle | None:
         """Write ``state`` to ``path`` (collective: every rank calls it); then apply ``keep_last`` retention."""
         self.wait()
-        comm = self.comm
         form = options.state_dict_type
         if form not in ("full", "sharded"):
             raise ValueError(f'state_dict_type={form!r} is not supported. Use "sharded" or "full".')
-        context = f"Saving the checkpoint {str(path)!r} failed"
-        outcome = "; the previous checkpoint at that path is intact."
-        entry_kinds = kinds(state)
-        staging: commit.Staging | None = None
-
-        def agree(error: BaseException | None) -> None:
-            try:
-                comm.agree(error, context, outcome)
-            except CheckpointError:
-                if staging is not None:
-                    commit.abort(staging)
-                comm.barrier()  # every rank raises once the staging folder is gone
-                raise
-
-        # 1. local checks, no collectives: the target (rank 0), the values, stateful objects' states
-        error, record = None, None
-        try:
-            if comm.is_zero:
-                if form == "sharded":
-                    staging = sharded.prepare(path)
-                elif message := full.writable_file_error(path):
-                    raise CheckpointError(message)
-            stateful = {k: state[k].state_dict() for k, kind in entry_kinds.items() if kind == "stateful"}
-            values = {f"state[{k!r}]": v for k, v in state.items() if entry_kinds[k] == "value"}
-            values.update({f"state[{k!r}].state_dict()": v for k, v in stateful.items()})
-            refuse_unloadable(values)
-            record = {"rng": rng.capture(), "stateful": stateful}
-        except Exception as err:
-            error = err
-        agree(error)
-        work = comm.broadcast(staging.work if staging is not None else None)
-
-        # 2. state dicts (collective under FSDP with a full checkpoint)
-        error = None
-        payload: Any = None
-        try:
-            stateful = record["stateful"]  # type: ignore[index]
-            collected = collect(state, stateful, form == "full", comm.rank, comm.world_size)
-            meta = {
-                "version": FORMAT_VERSION,
-                "format": form,
-                "world_size": comm.world_size,
-                "kinds": entry_kinds,
-                "tied": {k: tied_groups(v) for k, v in state.items() if entry_kinds[k] == "module"},
-                "ranks": comm.gather(record),
-            }
-            if form == "sharded":
-                tree, tensors = sharded.split_entries(collected, entry_kinds)
-                payload = (tensors, {FORMAT_KEY: meta, "state": tree} if comm.is_zero else None)
-            else:
-                payload = (None, {FORMAT_KEY: meta, "state": collected} if comm.is_zero else None)
-        except Exception as err:
-            error = err
-        agree(error)
-
-        # 3. write every rank's part, agree, then commit (rank 0) and agree
-        def write(staged: tuple[Any, Any]) -> None:
-            tensors, side = staged
-            error = None
-            try:
-                if form == "sharded":
-                    sharded.write_shards(comm, Path(work), tensors)
-                elif comm.is_zero:
-                    full.write_atomic(path, side)
-                    commit.remove_stale(path)  # what an interrupted save left next to it
-            except BaseException as err:  # DCP's CheckpointException derives from BaseException
-                error = err
-            agree(error)
-            error = None
-            try:
-                if form == "sharded" and staging is not None:
-                    sharded.commit_side(staging, side, comm.world_size)
-            except Exception as err:
-                error = err
-            agree(error)
-            if keep_last is not None and comm.is_zero:  # only now that the new one is committed
-                try:
-                    periodic.retain(path, keep_last)
-                except OSError as err:  # the save itself succeeded
-                    warnings.warn(
-                        f"Removing older checkpoints next to {str(path)!r} failed: {err}", stacklevel=2
-                    )
-
+        job, record = saving.prepare(self.comm, path, state, form, keep_last)
+        payload = saving.collect(job, state, record)
         if not asynchronous:
-            write(payload)  # type: ignore[arg-type]
+            saving.write(job, payload)
+            saving.commit(job, payload)
             return None
-        self._pending = SaveHandle(path, self._staged_write(state, payload, write))
-        return self._pending
-
-    def _staged_write(
-        self, state: dict[str, Any], payload: Any, write: Callable[[Any], None]
-    ) -> Callable[[], None]:
-        """The background job of an asynchronous save: copy the tensors to CPU, then write the copy.
-
-        The copy is taken on the background thread too, so ``save`` returns at once. Until it is
-        complete, every optimizer step and the forward of every module in ``state`` that holds
-        buffers (BatchNorm statistics) waits for it: the checkpoint is the state at the call.
-        """
         copied = threading.Event()
         self._hooks += hold_state_changes(copied, [v for v in state.values() if isinstance(v, nn.Module)])
 
-        def job() -> None:
+        def in_background() -> None:
             try:
-                staged = stage(payload, self._buffers)
+                with job.agreed():  # a copy that fails on one rank fails the save on every rank
+                    staged = saving.Payload(*stage((payload.tensors, payload.record), self._buffers))
             finally:
                 copied.set()
-            write(staged)
+            saving.write(job, staged)
+            saving.commit(job, staged)
 
-        return job
+        self._pending = SaveHandle(path, in_background)
+        return self._pending
 
     def load(self, path: Path, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
         """Restore ``state`` in place from ``path``; return the entries it did not ask for."""
         self.wait()
-        return restore.load(path, state, strict=strict, comm=self.comm)
+        return loading.load(path, state, strict=strict, comm=self.comm)
 
     def load_raw(self, path: Path, obj: Any, strict: bool = True, key_map: Any = None) -> None:
         """Load a plain state-dict file, a consolidated checkpoint or Hugging Face safetensors into ``obj``."""
@@ -250,7 +160,7 @@ class Checkpointer:
             raise ValueError(
                 "key_map= applies to safetensors weights only; rename a state dict's keys yourself."
             )
-        full.load_raw(path, obj, strict=strict)
+        raw.load_raw(path, obj, strict=strict)
 
     def export_safetensors(self, path: Path, module: nn.Module) -> None:
         """Write ``module``'s weights as Hugging Face safetensors at ``path`` (every rank calls, rank 0 writes)."""

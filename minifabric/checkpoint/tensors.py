@@ -1,9 +1,7 @@
-"""Tensor plumbing shared by the checkpoint formats.
+"""Tensor plumbing shared by the checkpoint stages: walking trees, placing shards, CPU copies.
 
-A sharded checkpoint keeps its tensors in torch Distributed Checkpoint (DCP) files and everything
-else in a small side record. In that record each tensor is replaced by a *reference*: a plain dict
-``{"__tensor__": key, "shape": [...], "dtype": "float32"}`` naming its DCP key, so the record can be
-read (and validated) with ``torch.load(weights_only=True)`` before any tensor data is touched.
+Tensor references (what a sharded checkpoint's side record holds in place of each tensor) are
+defined in ``format.py``.
 """
 
 from __future__ import annotations
@@ -16,34 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor import empty as dtensor_empty
 
-TENSOR_REF = "__tensor__"
-
-
-def is_ref(value: Any) -> bool:
-    """Whether ``value`` is a tensor reference of a sharded checkpoint's side record."""
-    return isinstance(value, dict) and TENSOR_REF in value
-
-
-def make_ref(key: str, tensor: torch.Tensor) -> dict[str, Any]:
-    """The reference stored in place of ``tensor`` (its global shape for a DTensor)."""
-    return {TENSOR_REF: key, "shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
-
-
-def ref_dtype(ref: dict[str, Any]) -> torch.dtype:
-    """The dtype a reference records."""
-    dtype = getattr(torch, ref["dtype"], None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"Unknown dtype {ref['dtype']!r} in a checkpoint tensor reference.")
-    return dtype
-
-
-def shape_of(value: Any) -> tuple[int, ...] | None:
-    """The (global) shape of a tensor or tensor reference, else None."""
-    if isinstance(value, torch.Tensor):
-        return tuple(value.shape)
-    if is_ref(value):
-        return tuple(value["shape"])
-    return None
+from minifabric.checkpoint.format import is_ref, make_ref, ref_dtype
 
 
 def map_tree(tree: Any, fn: Callable[[tuple, Any], Any], path: tuple = ()) -> Any:

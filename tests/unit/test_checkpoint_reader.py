@@ -13,7 +13,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from minifabric import Accelerator
-from minifabric.checkpoint import CheckpointError, archive, reader, sharded
+from minifabric.checkpoint import CheckpointError, archive, reader
+from minifabric.checkpoint import read as sharded
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*assuming the intent is to save in a single process")
 

@@ -3,7 +3,7 @@
 from minifabric.checkpoint.hf.export import export_module, export_safetensors
 from minifabric.checkpoint.hf.files import is_safetensors
 from minifabric.checkpoint.hf.load import KeyMap, load_safetensors
-from minifabric.checkpoint.hf.ties import tied_groups
+from minifabric.checkpoint.ties import tied_groups
 
 __all__ = [
     "KeyMap",

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from minifabric.checkpoint import sharded
 from minifabric.checkpoint.errors import CheckpointError
+from minifabric.checkpoint.format import TENSOR_REF, is_ref, ref_dtype
 from minifabric.checkpoint.hf.files import (
     INDEX_NAME,
     Item,
@@ -29,9 +29,8 @@ from minifabric.checkpoint.hf.files import (
     write_file,
     write_index,
 )
-from minifabric.checkpoint.hf.ties import tied_groups
-from minifabric.checkpoint.restore import Opened, open_checkpoint
-from minifabric.checkpoint.tensors import is_ref, ref_dtype
+from minifabric.checkpoint.read import Opened, open_checkpoint, read_tensors
+from minifabric.checkpoint.ties import tied_groups
 
 _DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -251,5 +250,5 @@ def export_safetensors(
 
 def _read_one(path: Path, ref: dict[str, Any]) -> torch.Tensor:
     target = torch.empty(ref["shape"], dtype=ref_dtype(ref))
-    sharded.read_tensors(path, {ref["__tensor__"]: target})
+    read_tensors(path, {ref[TENSOR_REF]: target})
     return target

@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import struct
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from minifabric.checkpoint import durable
 from minifabric.checkpoint.archive import byte_view, read_exactly
 from minifabric.checkpoint.errors import CheckpointError
 
@@ -215,48 +216,33 @@ def _header(items: Iterable[Item]) -> bytes:
 
 
 def write_file(file: Path, items: list[Item], write: bool) -> str | None:
-    """Fetch every item in order; where ``write``, stream them into ``file`` (via a temporary name).
+    """Fetch every item in order; where ``write``, stream them into ``file`` durably (``durable.replacing``).
 
     Ranks that do not write still fetch, and a writer whose disk fails keeps fetching too, so
     collective fetches (gathering a sharded tensor) always line up. Returns why writing failed, or None.
     """
-    tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}")
-    error = None
-    f = None
+    fetched = 0
     try:
-        if write:
-            f = open(tmp, "wb")
-            f.write(_header(items))
+        with durable.replacing(file) if write else nullcontext(None) as f:
+            if f is not None:
+                f.write(_header(items))
+            for item in items:
+                tensor = item.fetch()
+                fetched += 1
+                if f is None or tensor is None:
+                    continue
+                data = tensor.detach().to("cpu", item.dtype).contiguous()
+                del tensor
+                if tuple(data.shape) != item.shape:
+                    raise OSError(
+                        f"{item.name!r} has shape {tuple(data.shape)}, the header says {item.shape}"
+                    )
+                f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
     except OSError as err:
-        error, f = f"writing {str(file)!r} failed ({err})", None
-    for item in items:
-        tensor = item.fetch()
-        if f is None or tensor is None:
-            continue
-        data = tensor.detach().to("cpu", item.dtype).contiguous()
-        del tensor
-        try:
-            if tuple(data.shape) != item.shape:
-                raise OSError(f"{item.name!r} has shape {tuple(data.shape)}, the header says {item.shape}")
-            f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
-        except OSError as err:
-            error = f"writing {str(file)!r} failed ({err})"
-            f.close()
-            f = None
-    try:
-        if f is not None:
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-            os.replace(tmp, file)
-    except OSError as err:
-        error = f"writing {str(file)!r} failed ({err})"
-    finally:
-        if f is not None:
-            f.close()
-        if write:
-            tmp.unlink(missing_ok=True)
-    return error
+        for item in items[fetched:]:  # the other ranks fetch them too
+            item.fetch()
+        return f"writing {str(file)!r} failed ({err})"
+    return None
 
 
 def write_index(folder: Path, shards: list[tuple[str, list[Item]]]) -> None:
@@ -265,9 +251,8 @@ def write_index(folder: Path, shards: list[tuple[str, list[Item]]]) -> None:
         "metadata": {"total_size": sum(item.nbytes for _, items in shards for item in items)},
         "weight_map": {item.name: name for name, items in shards for item in items},
     }
-    tmp = folder / f".{INDEX_NAME}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, folder / INDEX_NAME)
+    with durable.replacing(folder / INDEX_NAME, "w") as f:
+        f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def remove_stale(folder: Path, keep: set[str]) -> None:

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from minifabric._torch import local_box
 from minifabric.checkpoint.errors import CheckpointError
 from minifabric.checkpoint.hf.files import Stored, read_box, read_headers
-from minifabric.checkpoint.hf.ties import tied_groups
+from minifabric.checkpoint.ties import tied_groups
 
 KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
 _SHOWN = 10

@@ -1,0 +1,185 @@
+"""Loading a checkpoint into a user's ``state``: open -> validate -> read -> apply.
+
+The order is the guarantee: keys, shapes and optimizer layouts are checked against the
+checkpoint's metadata before any tensor is read, and tensors are read into fresh memory (sharded
+like the live tensors) before anything is copied into the model, so a failed load changes nothing.
+Opening and reading each end with an agreement of all ranks; only after both succeeded everywhere
+is anything applied.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+from minifabric.checkpoint import rng, validate
+from minifabric.checkpoint.comm import Comm
+from minifabric.checkpoint.format import is_ref, is_stateful
+from minifabric.checkpoint.read import Opened, Resolver, open_checkpoint, read_entries
+from minifabric.checkpoint.tensors import equal, map_tree, place
+
+
+def load(
+    path: Path, state: dict[str, Any], strict: bool, comm: Comm, *, weights_only: bool = True
+) -> dict[str, Any]:
+    """Restore ``state`` in place from the checkpoint at ``path``; return the entries it did not ask for.
+
+    Collective (every rank calls it).
+
+    Raises:
+        CheckpointError: on every rank, if on any rank the path is no committed checkpoint, does not
+            match ``state`` or cannot be read (nothing has been changed then).
+    """
+    failed = (f"Loading the checkpoint {str(path)!r} failed", "; nothing was changed.")
+    with comm.agreed(*failed):
+        opened = open_checkpoint(path, weights_only=weights_only)
+        plan = validate.plan(opened, state, strict)
+    with comm.agreed(*failed):
+        read = read_entries(opened, _wanted(opened, plan, state, comm), views=_views(state))
+    apply(opened, state, read, strict, comm.rank, comm.world_size)
+    if plan.tolerated:
+        warnings.warn(
+            f"Loaded {str(path)!r} with strict=False; not restored: {', '.join(plan.tolerated)}.",
+            stacklevel=3,
+        )
+    return {
+        k: leftover(opened, k, read, comm.rank, comm.world_size) for k in opened.names() if k not in state
+    }
+
+
+def _wanted(opened: Opened, plan: validate.LoadPlan, state: dict[str, Any], comm: Comm) -> dict[str, Any]:
+    """Every entry with tensors, each with the tree to read and where its tensors land.
+
+    Entries that ``state`` asks for land like their live tensors; the others are read sharded over
+    the ranks (DTensors split on their first dimension), so no rank holds them at full size.
+    """
+    spread = comm.mesh() if opened.sharded and comm.distributed else None
+    wanted: dict[str, Any] = {key: (tree, _resolver(state[key])) for key, tree in plan.trees.items()}
+    for key, tree in opened.tree.items():
+        if key in wanted or not (opened.kinds.get(key) in ("module", "optimizer") or _has_refs(tree)):
+            continue
+        wanted[key] = (
+            tree,
+            _resolver(state.get(key)) if key in state or spread is None else lambda p: spread,
+        )
+    return wanted
+
+
+def _resolver(obj: Any) -> Resolver:
+    """Maps a path in the saved tree to the live tensor it will land in (for its layout), or None."""
+    if isinstance(obj, nn.Module):
+        live = obj.state_dict()
+        return lambda path: live.get(path[0]) if len(path) == 1 else None
+    if isinstance(obj, Optimizer):
+        params = [p for group in obj.param_groups for p in group["params"]]
+
+        def param_for(path: tuple) -> Any:
+            index = path[1] if len(path) == 3 and path[0] == "state" else None
+            return params[index] if isinstance(index, int) and 0 <= index < len(params) else None
+
+        return param_for
+    return lambda path: None
+
+
+def _views(state: dict[str, Any]) -> dict[str, set[str]]:
+    """Per module entry, the keys that ``load_state_dict`` copies out: its parameters and buffers.
+
+    Not its extra state, which ``set_extra_state`` may keep as given.
+    """
+    out = {}
+    for key, module in state.items():
+        if isinstance(module, nn.Module):
+            params = module.named_parameters(remove_duplicate=False)
+            buffers = module.named_buffers(remove_duplicate=False)
+            out[key] = {name for name, _ in params} | {name for name, _ in buffers}
+    return out
+
+
+def _has_refs(tree: Any) -> bool:
+    found: list[bool] = []
+    map_tree(tree, lambda path, leaf: found.append(is_ref(leaf)))
+    return any(found)
+
+
+def apply(
+    opened: Opened, state: dict[str, Any], read: dict[str, Any], strict: bool, rank: int, world_size: int
+) -> None:
+    """Copy what was read into ``state``: modules and optimizers in place, values by entry, then per-rank state."""
+    for key, value in state.items():
+        if key not in opened.tree:
+            continue
+        if isinstance(value, nn.Module):
+            load_module(value, read[key], strict=strict)
+        elif isinstance(value, Optimizer):
+            load_optimizer(value, read[key])
+        elif not is_stateful(value):
+            state[key] = read.get(key, opened.tree[key])
+    if opened.ranks:
+        _restore_per_rank(opened, state, rank, world_size)
+
+
+def load_module(module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+    """Load a state dict into ``module``; full tensors are cut to this rank's shard where it is sharded."""
+    live = module.state_dict()
+    module.load_state_dict({k: place(v, live.get(k)) for k, v in state_dict.items()}, strict=strict)
+
+
+def load_optimizer(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+    """Load an index-keyed optimizer state dict; full state tensors are cut to the shard of their parameter."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {
+        index: {
+            name: place(value, params[index]) if isinstance(index, int) and index < len(params) else value
+            for name, value in values.items()
+        }
+        for index, values in state_dict.get("state", {}).items()
+    }
+    optimizer.load_state_dict({**state_dict, "state": state})
+
+
+def _restore_per_rank(opened: Opened, state: dict[str, Any], rank: int, world_size: int) -> None:
+    """Each rank's RNG and stateful objects: its own record, or a loud warning where none maps."""
+    records = opened.ranks
+    same_world = len(records) == world_size
+    with_rng = "rng" in records[0]  # not in checkpoints written by Lightning Fabric
+    not_restored: list[str] = []
+    for key, obj in state.items():
+        if (
+            not is_stateful(obj)
+            or isinstance(obj, (nn.Module, Optimizer))
+            or key not in records[0]["stateful"]
+        ):
+            continue
+        values = [record["stateful"][key] for record in records]
+        if same_world:
+            obj.load_state_dict(values[rank])
+        elif all(equal(values[0], v) for v in values[1:]):
+            obj.load_state_dict(values[0])  # the same on every saved rank: maps to any world size
+        else:
+            not_restored.append(f"{key!r} (its state differs between the saved ranks)")
+    if same_world and with_rng:
+        not_restored += [f"the {name} RNG state" for name in rng.restore(records[rank]["rng"])]
+    elif with_rng:
+        not_restored.append("the RNG states (python, numpy, torch, cuda), which are per rank")
+    if not_restored:
+        warnings.warn(
+            f"The checkpoint {str(opened.path)!r} was saved by {len(records)} process(es) and is loaded by"
+            f" {world_size}. NOT restored on rank {rank}: {', '.join(not_restored)}. Training continues, but"
+            " it will not repeat the random numbers of the original run.",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def leftover(opened: Opened, name: str, read: dict[str, Any], rank: int, world_size: int) -> Any:
+    """An entry ``state`` did not ask for, as read (tensors), stored (values) or this rank's (stateful)."""
+    if name in read:
+        return read[name]
+    if name in opened.tree:
+        return opened.tree[name]
+    records = opened.ranks
+    return records[rank if len(records) == world_size else 0]["stateful"][name]
