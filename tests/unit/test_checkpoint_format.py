@@ -48,7 +48,9 @@ def test_a_checkpoint_of_a_newer_format_is_refused_naming_both_versions(tmp_path
     acc.save(path, {"model": model, "step": 1})
     _bump_version(path, fmt)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(CheckpointError, match=rf"version {FORMAT_VERSION + 1}.*up to {FORMAT_VERSION}.*Upgrade"):
+    with pytest.raises(
+        CheckpointError, match=rf"version {FORMAT_VERSION + 1}.*up to {FORMAT_VERSION}.*Upgrade"
+    ):
         acc.load(path, {"model": model})
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key])
