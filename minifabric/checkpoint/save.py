@@ -160,6 +160,7 @@ def write(job: Job, payload: Payload) -> None:
                 )
             commits.fault("after_shard", comm.rank)
         elif comm.is_zero:
+            job.path.parent.mkdir(parents=True, exist_ok=True)
             with durable.replacing(job.path) as f:
                 torch.save(payload.record, f)
             commits.remove_stale(job.path)  # what an interrupted save left next to it

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import minifabric.checkpoint.hf  # noqa: F401  (imported up front: the bytes-read measure counts weights, not .pyc files)
+import minifabric.checkpoint.service  # noqa: F401  (likewise)
 from minifabric import Accelerator
 from tests.helpers import PYTHON, REPO, run_command, run_distributed
 
