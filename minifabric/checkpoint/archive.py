@@ -153,7 +153,32 @@ def locate(file: io.FileIO, start: int, length: int) -> Saved:
     data_offset = _entry_offset(window, info)
     if data_offset + nbytes > length:
         raise zipfile.BadZipFile("the storage runs past the item")
+    check_layout(size, stride, storage_offset, numel)
     return Saved(start + data_offset, dtype, size, stride, storage_offset)
+
+
+def check_layout(size: tuple, stride: tuple, storage_offset: Any, numel: int) -> None:
+    """Refuse a layout whose elements do not all lie inside its storage of ``numel`` elements.
+
+    ``torch.load`` refuses such a record too; reading it by offsets would take bytes of the
+    neighbouring records (damaged metadata).
+
+    Raises:
+        zipfile.BadZipFile: naming the layout and the storage size.
+    """
+    layout = f"storage_offset {storage_offset}, sizes {list(size)}, strides {list(stride)}"
+    ints = all(isinstance(n, int) and not isinstance(n, bool) for n in (storage_offset, *size, *stride))
+    if not ints or len(size) != len(stride):
+        raise zipfile.BadZipFile(f"the tensor layout is malformed ({layout})")
+    if storage_offset < 0 or any(n < 0 for n in size) or any(s < 0 for s in stride):
+        raise zipfile.BadZipFile(f"the tensor layout has a negative entry ({layout})")
+    if 0 in size:
+        return
+    last = storage_offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
+    if last >= numel:
+        raise zipfile.BadZipFile(
+            f"the tensor ({layout}) reaches element {last} of a storage of {numel} elements"
+        )
 
 
 def read_exactly(file: io.FileIO, offset: int, view: memoryview) -> None:

@@ -233,6 +233,8 @@ class SafeReader(FileSystemReader):
                         )
                     tensor = item.type != LoadItemType.BYTE_IO
                     saved = _saved(file, info, located) if tensor else None
+                    if saved is not None:
+                        _check_region(saved, item)
                     original = _view_into(mapped, saved, item, planner) if may_view else None
                     if original is not None:
                         replaced[key] = original
@@ -242,6 +244,18 @@ class SafeReader(FileSystemReader):
                     raise CheckpointError(
                         f"{str(path)!r} is damaged: {key!r} at byte {info.offset} cannot be read ({err})."
                     ) from err
+
+
+def _check_region(saved: Saved, item: ReadItem) -> None:
+    """Refuse a read request that reaches outside the saved tensor (DCP's metadata names a bigger chunk)."""
+    starts, lengths = tuple(item.storage_offsets), tuple(item.lengths)
+    if len(starts) != len(saved.size) or any(
+        o < 0 or n < 0 or o + n > size for o, n, size in zip(starts, lengths, saved.size, strict=True)
+    ):
+        raise EOFError(
+            f"the region at {list(starts)} of sizes {list(lengths)} lies outside the saved tensor of sizes"
+            f" {list(saved.size)}"
+        )
 
 
 def _read_ahead(file: io.FileIO, infos: list[Any]) -> None:

@@ -4,6 +4,7 @@ damaged files reported by name, and a load that reads the model's weights throug
 from __future__ import annotations
 
 import gc
+import zipfile
 import sys
 from pathlib import Path
 
@@ -216,3 +217,36 @@ def test_a_failed_read_leaves_no_file_mapped_and_the_model_unchanged(tmp_path: P
     finally:
         gc.enable()
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        (b"QK\x00K\x04\x85", b"QK\x01K\x04\x85"),  # storage_offset 0 -> 1: one element past the storage
+        (b"q\x06K\x01\x85", b"q\x06K\x02\x85"),  # stride 1 -> 2: reaches element 6 of 4
+    ],
+    ids=["storage_offset", "stride"],
+)
+def test_damaged_tensor_metadata_is_refused_naming_file_and_key(tmp_path: Path, damage: tuple) -> None:
+    saved = {"a": torch.randn(4), "b": torch.randn(4)}
+    _save(tmp_path, saved)
+    shard = next(tmp_path.glob("*.distcp"))
+    data = shard.read_bytes()
+    assert data.count(damage[0]) == 2  # both records; damage the first one only
+    shard.write_bytes(data.replace(damage[0], damage[1], 1))
+    for views in ((), {"a", "b"}):
+        targets = {"a": torch.zeros(4), "b": torch.zeros(4)}
+        with pytest.raises(CheckpointError, match=r"\.distcp' is damaged: '[ab]'.*storage"):
+            sharded.read_tensors(tmp_path, dict(targets), views=views)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [((4,), (1,), -1), ((4,), (-1,), 3), ((-1,), (1,), 0), ((2, 2), (2,), 0), ((5,), (1,), 0), ((2,), (3,), 1)],
+)
+def test_layouts_outside_their_storage_are_refused(layout: tuple) -> None:
+    size, stride, offset = layout
+    with pytest.raises(zipfile.BadZipFile, match="layout|storage"):
+        archive.check_layout(size, stride, offset, 4)
+    archive.check_layout((0,), (1,), 4, 4)  # empty: nothing to read
+    archive.check_layout((2, 2), (2, 1), 0, 4)
