@@ -12,6 +12,7 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
+from minifabric.checkpoint.commit import POINTER, RECORD
 from minifabric.checkpoint.errors import CheckpointError
 from minifabric.checkpoint.format import FORMAT_KEY
 from minifabric.checkpoint.load import load_module, load_optimizer
@@ -27,6 +28,8 @@ def load_raw(
     Raises:
         CheckpointError: the file cannot be read safely, or does not match ``obj`` (nothing loaded).
     """
+    if path.is_dir() and not (path / POINTER).is_file() and not (path / RECORD).is_file():
+        raise CheckpointError(_not_loadable_folder(path))
     state_dict = raw_state_dict(read_file(path, weights_only=weights_only), obj, path)
     if isinstance(obj, nn.Module):
         problems, keys_differ = module_problems("model", obj.state_dict(), state_dict, strict)
@@ -50,4 +53,21 @@ def raw_state_dict(data: Any, obj: nn.Module | Optimizer, path: Path) -> dict[st
     raise CheckpointError(
         f"{str(path)!r} holds {len(entries)} {wanted} entries ({entries}); say which one with"
         f" `acc.load(path, {{{entries[0] if entries else 'name'!r}: obj}})`."
+    )
+
+
+def _not_loadable_folder(path: Path) -> str:
+    """What a folder that is neither a checkpoint nor safetensors weights holds, and what was expected."""
+    entries = sorted(path.iterdir())
+    shown = [p.name + ("/" if p.is_dir() else "") for p in entries[:8]] + (
+        ["..."] if len(entries) > 8 else []
+    )
+    nested = [p.name for p in entries if p.is_dir() and any(p.glob("*.safetensors*"))]
+    hint = ""
+    if nested:
+        hint = f" Safetensors weights are in its subfolder(s) {nested}: pass one, e.g. {str(path / nested[0])!r}."
+    return (
+        f"{str(path)!r} is a folder holding {shown or 'nothing'}, with no safetensors weights in it. `load_raw`"
+        " expects a `*.safetensors` file, a folder with `model.safetensors` or `model.safetensors.index.json`"
+        f" (as written by `save_pretrained`), or one `torch.save` file.{hint}"
     )

@@ -206,3 +206,44 @@ def test_export_options_are_checked_before_writing(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="need --format safetensors"):
         cli(["consolidate", str(tmp_path / "ckpt.pt"), str(tmp_path / "x.pt"), "--dtype", "bf16"])
     assert not (tmp_path / "x").exists() and not (tmp_path / "x.safetensors").exists()
+
+
+def test_untied_weights_into_a_tied_model_are_refused_naming_both_and_the_flag(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = dict(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
+    torch.manual_seed(0)
+    untied = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, tie_word_embeddings=False))
+    untied.save_pretrained(tmp_path / "untied")
+    acc = _acc()
+    tied = acc.setup(
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, tie_word_embeddings=True))
+    )
+    before = {k: v.clone() for k, v in tied.state_dict().items()}
+    with pytest.raises(CheckpointError) as caught:
+        acc.load_raw(tmp_path / "untied", tied)
+    message = str(caught.value)
+    assert "'model.embed_tokens.weight'" in message and "'lm_head.weight'" in message, message
+    assert "tie_word_embeddings=True" in message and "tie_word_embeddings=False" in message, message
+    assert all(torch.equal(v, before[k]) for k, v in tied.state_dict().items())
+    # the same tensor stored under both names is no conflict
+    _, source = _setup(seed=0)
+    both = {k: v.clone() for k, v in source.state_dict().items()}
+    save_file(both, tmp_path / "both.safetensors")
+    acc, model = _setup(seed=1)
+    acc.load_raw(tmp_path / "both.safetensors", model)
+    assert torch.equal(model.emb.weight, source.emb.weight) and model.head.weight is model.emb.weight
+
+
+def test_load_raw_of_a_folder_of_model_folders_says_what_it_found_and_expected(tmp_path: Path) -> None:
+    _, source = _setup(seed=0)
+    (tmp_path / "runs" / "llama").mkdir(parents=True)
+    (tmp_path / "runs" / "gpt2").mkdir()
+    save_file(_stored(source), tmp_path / "runs" / "llama" / "model.safetensors")
+    acc, model = _setup(seed=1)
+    with pytest.raises(CheckpointError) as caught:
+        acc.load_raw(tmp_path / "runs", model)
+    message = str(caught.value)
+    assert "gpt2/" in message and "llama/" in message, message
+    assert "model.safetensors" in message and "index.json" in message, message
+    assert "['llama']" in message and "sharded checkpoint folder" not in message, message

@@ -9,6 +9,7 @@ parameter: the peak is the model's own shard plus at most one tensor's box for a
 from __future__ import annotations
 
 import difflib
+import math
 import warnings
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
@@ -123,7 +124,10 @@ def plan(
         for member in group:
             if member in stored and stored[member].shape != tuple(tensor.shape):
                 shapes.append(f"{member}: file {stored[member].shape}, model {tuple(tensor.shape)}")
-        source = next((member for member in group if member in stored), None)
+        present = [member for member in group if member in stored]
+        if len(present) > 1 and not _same_bytes([stored[member] for member in present]):
+            raise CheckpointError(_untied_message(path, module, present))
+        source = present[0] if present else None
         if source is None:
             missing.append(name)  # a tied group is one tensor: named once
         else:
@@ -147,6 +151,47 @@ def plan(
             f"The safetensors weights at {str(path)!r} do not match the model: {' | '.join(problems)}.{fix}"
         )
     return reads, missing + unexpected
+
+
+def _same_bytes(tensors: list[Stored]) -> bool:
+    """Whether the stored tensors hold the same values (compared chunk by chunk, without keeping them)."""
+    first = tensors[0]
+    if any(t.dtype != first.dtype or t.shape != first.shape for t in tensors[1:]):
+        return False
+    if all(t.file == first.file and t.start == first.start for t in tensors[1:]):
+        return True
+    nbytes = math.prod(first.shape) * first.dtype.itemsize
+    with ExitStack() as stack:
+        files = [stack.enter_context(open(t.file, "rb")) for t in tensors]
+        for f, t in zip(files, tensors, strict=True):
+            f.seek(t.start)
+        done = 0
+        while done < nbytes:
+            size = min(_CHUNK, nbytes - done)
+            chunks = [f.read(size) for f in files]
+            if any(chunk != chunks[0] for chunk in chunks[1:]):
+                return False
+            done += size
+    return True
+
+
+def _untied_message(path: Path, module: nn.Module, names: list[str]) -> str:
+    config = getattr(module, "config", None)
+    flag = getattr(config, "tie_word_embeddings", None)
+    why = f"`config.tie_word_embeddings={flag}`" if flag is not None else "the model's tied parameters"
+    fix = (
+        " Build the model with `tie_word_embeddings=False` to load both, or load a file saved from a tied model."
+        if flag is not None
+        else " Untie them in the model to load both, or load a file saved from a tied model."
+    )
+    listed = " and ".join(repr(n) for n in names)
+    return (
+        f"The safetensors weights at {str(path)!r} hold different tensors {listed}, but the model ties them"
+        f" ({why}): loading would keep one and silently drop the other. Nothing was loaded.{fix}"
+    )
+
+
+_CHUNK = 1 << 24
 
 
 def _read_all(reads: list[Read]) -> None:
