@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import minifabric.checkpoint.hf  # noqa: F401  (imported up front: the bytes-read measure counts weights, not .pyc files)
+import minifabric.checkpoint.hf
 import minifabric.checkpoint.service  # noqa: F401  (likewise)
 from minifabric import Accelerator
 from tests.helpers import PYTHON, REPO, run_command, run_distributed

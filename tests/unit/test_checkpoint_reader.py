@@ -4,8 +4,8 @@ damaged files reported by name, and a load that reads the model's weights throug
 from __future__ import annotations
 
 import gc
-import zipfile
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -242,11 +242,18 @@ def test_damaged_tensor_metadata_is_refused_naming_file_and_key(tmp_path: Path, 
 
 @pytest.mark.parametrize(
     "layout",
-    [((4,), (1,), -1), ((4,), (-1,), 3), ((-1,), (1,), 0), ((2, 2), (2,), 0), ((5,), (1,), 0), ((2,), (3,), 1)],
+    [
+        ((4,), (1,), -1),
+        ((4,), (-1,), 3),
+        ((-1,), (1,), 0),
+        ((2, 2), (2,), 0),
+        ((5,), (1,), 0),
+        ((2,), (3,), 1),
+    ],
 )
 def test_layouts_outside_their_storage_are_refused(layout: tuple) -> None:
     size, stride, offset = layout
-    with pytest.raises(zipfile.BadZipFile, match="layout|storage"):
+    with pytest.raises(zipfile.BadZipFile, match=r"layout|storage"):
         archive.check_layout(size, stride, offset, 4)
     archive.check_layout((0,), (1,), 4, 4)  # empty: nothing to read
     archive.check_layout((2, 2), (2, 1), 0, 4)
