@@ -212,7 +212,7 @@ def shard_norms_in_float32(
     module: nn.Module,
     mesh: DeviceMesh,
     *,
-    reshard_after_forward: bool,
+    reshard_after_forward: bool | None,
     mp_policy: MixedPrecisionPolicy,
     offload: OffloadPolicy,
 ) -> None:
@@ -246,7 +246,7 @@ def shard_module(
     module: nn.Module,
     mesh: DeviceMesh,
     *,
-    reshard_after_forward: bool,
+    reshard_after_forward: bool | None,
     mp_policy: MixedPrecisionPolicy,
     offload: OffloadPolicy,
 ) -> nn.Module:
@@ -286,8 +286,14 @@ def shard_model(
             mp_policy=inner_policy(mp_policy),
             offload=offload,
         )
-    # FSDP2 never reshards the root after forward (backward would gather it again at once).
+    # The root's parameters are used again at the start of backward: resharding them after forward
+    # would only all-gather them once more. FSDP2 skips that for the root only when the argument is
+    # left to it (None); an explicit True reshards the root too.
     shard_module(
-        module, mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, offload=offload
+        module,
+        mesh,
+        reshard_after_forward=None if reshard_after_forward else False,
+        mp_policy=mp_policy,
+        offload=offload,
     )
     return module

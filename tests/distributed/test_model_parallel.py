@@ -233,7 +233,99 @@ def _two_ranks(rank: int, ckpt: str) -> dict[str, Any]:
     model, optimizer = acc.setup(model, tp_optimizer(model))
     acc.load(ckpt + "-41", {"model": model, "optimizer": optimizer})
     acc.save(ckpt + "-12", {"model": model, "optimizer": optimizer})
-    return {"loaded_12": _full(model)}
+    out: dict[str, Any] = {"loaded_12": _full(model)}
+    out.update(_precision_policies())
+    out.update(_two_models_one_checkpoint(ckpt + "-pair"))
+    out.update(_activation_checkpointing(ckpt + "-ac"))
+    return out
+
+
+def _mp_acc(fn: Any = parallelize, precision: str = "32-true", **options: Any) -> Accelerator:
+    strategy = ModelParallelStrategy(fn, data_parallel_size=1, tensor_parallel_size=2, **options)
+    acc = Accelerator(accelerator="cpu", strategy=strategy, devices=2, precision=precision)
+    acc.launch()
+    return acc
+
+
+def _precision_policies() -> dict[str, Any]:
+    """bf16-mixed becomes FSDP's policy; a policy the function gave `fully_shard` is kept."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from minifabric._torch import fsdp_policy
+
+    acc = _mp_acc(precision="bf16-mixed")
+    model = acc.setup(TPTransformer(CFG))
+    logits = model(tp_batches(1, 2, CFG)[0][:, :-1])
+    derived = fsdp_policy(model.module)
+
+    def own_policy(model: nn.Module, mesh: Any) -> nn.Module:
+        parallelize(model, mesh)
+        for block in model.blocks:
+            fully_shard(
+                block, mesh=mesh["data_parallel"], mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16)
+            )
+        return model
+
+    acc = _mp_acc(own_policy, precision="bf16-mixed")
+    kept = acc.setup(TPTransformer(CFG))
+    return {
+        "derived": (derived.param_dtype, derived.reduce_dtype, logits.dtype),
+        "kept": (fsdp_policy(kept.module.blocks[0]).param_dtype, fsdp_policy(kept.module).param_dtype),
+    }
+
+
+def _two_models_one_checkpoint(path: str) -> dict[str, Any]:
+    """Two 2-D models and their optimizers in one checkpoint, loaded into fresh ones."""
+    acc = _mp_acc()
+    pairs = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        model = TPTransformer(CFG)
+        model, optimizer = acc.setup(model, tp_optimizer(model))
+        acc.backward(tp_loss(model, tp_batches(1, 2, CFG, seed=seed)[0]))
+        optimizer.step()
+        pairs.append((model, optimizer))
+    state = {"a": pairs[0][0], "a_opt": pairs[0][1], "b": pairs[1][0], "b_opt": pairs[1][1]}
+    acc.save(path, state)
+    fresh = []
+    for _ in range(2):
+        model = acc.setup(TPTransformer(CFG))
+        fresh.append((model, acc.setup_optimizers(tp_optimizer(model))))
+    acc.load(path, {"a": fresh[0][0], "a_opt": fresh[0][1], "b": fresh[1][0], "b_opt": fresh[1][1]})
+    same = all(
+        torch.equal(x.full_tensor(), y.full_tensor())
+        for (m, o), (n, q) in zip(pairs, fresh, strict=True)
+        for x, y in [
+            *zip(m.parameters(), n.parameters(), strict=True),
+            *(
+                (o.state[p]["exp_avg"], q.state[r]["exp_avg"])
+                for p, r in zip(m.parameters(), n.parameters(), strict=True)
+            ),
+        ]
+    )
+    differ = not torch.equal(
+        pairs[0][0].module.out.weight.full_tensor(), pairs[1][0].module.out.weight.full_tensor()
+    )
+    return {"pair_loaded": same, "pair_differs": differ}
+
+
+def _activation_checkpointing(path: str) -> dict[str, Any]:
+    """Recomputing the blocks changes nothing (bitwise); the checkpoint loads into a model without it."""
+    from tests.tp_models import TPBlock
+
+    finals = []
+    for policy in (None, {TPBlock}):
+        acc = _mp_acc(activation_checkpointing_policy=policy)
+        torch.manual_seed(0)
+        model = TPTransformer(CFG)
+        model, optimizer = acc.setup(model, tp_optimizer(model))
+        for batch in tp_batches(2, 2, CFG):
+            acc.backward(tp_loss(model, batch))
+            optimizer.step()
+            optimizer.zero_grad()
+        finals.append(_full(model))
+    acc.save(path, {"model": model, "optimizer": optimizer})
+    return {"ac_equal": _close(finals[0], finals[1], 0) == [], "ac_final": finals[1]}
 
 
 def _reference(groups: int) -> dict[str, Any]:
@@ -323,6 +415,18 @@ def test_bad_input_raises_on_every_rank(runs: dict[str, Any]) -> None:
         )
         assert mesh.startswith("ValueError") and "world size 4" in mesh
         assert hsdp.startswith("ValueError") and "(3, 2)" in hsdp and "has 4" in hsdp
+
+
+def test_precision_two_models_and_activation_checkpointing(runs: dict[str, Any]) -> None:
+    for out in runs["two"]:
+        assert out["derived"] == (torch.bfloat16, torch.float32, torch.float32)
+        assert out["kept"] == (torch.float16, torch.float16)  # the root follows the function's policy
+        assert out["pair_loaded"] and out["pair_differs"]
+        assert out["ac_equal"]
+    acc = Accelerator(accelerator="cpu", devices=1)
+    model = acc.setup(TPTransformer(CFG))  # no activation checkpointing, no plan
+    acc.load(runs["ckpt"] + "-ac", {"model": model}, strict=False)
+    assert _close(_full(model.module), runs["two"][0]["ac_final"], 0) == []
 
 
 def test_checkpoint_across_layouts(runs: dict[str, Any], tmp_path: Path) -> None:
