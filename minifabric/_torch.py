@@ -311,19 +311,11 @@ def swapping_module_params() -> Iterator[None]:
 class _SeededOpProbe:
     """Collects the ATen ops tagged ``nondeterministic_seeded`` (they draw from a generator) run inside it."""
 
+    _mode_class: Any = None
+
     def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        probe = self
         self.seeded: list[str] = []
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-                if torch.Tag.nondeterministic_seeded in func.tags:
-                    probe.seeded.append(str(func))
-                return func(*args, **(kwargs or {}))
-
-        self._mode = Mode()
+        self._mode = _probe_mode_class()(self.seeded)
 
     def __enter__(self) -> _SeededOpProbe:
         self._mode.__enter__()
@@ -331,6 +323,30 @@ class _SeededOpProbe:
 
     def __exit__(self, *exc: Any) -> None:
         self._mode.__exit__(*exc)
+
+
+def _probe_mode_class() -> Any:
+    if _SeededOpProbe._mode_class is None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Mode(TorchDispatchMode):
+            @classmethod
+            def _should_skip_dynamo(cls) -> bool:
+                # No dynamo guard around __torch_dispatch__: it would import torch._dynamo (seconds)
+                # at first use, and nothing is compiled inside the probe.
+                return False
+
+            def __init__(self, seen: list[str]) -> None:
+                super().__init__()
+                self.seen = seen
+
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                if torch.Tag.nondeterministic_seeded in func.tags:
+                    self.seen.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        _SeededOpProbe._mode_class = Mode
+    return _SeededOpProbe._mode_class
 
 
 def seeded_op_probe() -> _SeededOpProbe:

@@ -27,12 +27,16 @@ _RECORDER: ContextVar[Recorder | None] = ContextVar("minifabric_init_recorder", 
 
 
 @contextmanager
-def meta_init_context(verify: bool = False) -> Iterator[None]:
+def meta_init_context(verify: bool = False, keep: tuple[int, int] | None = None) -> Iterator[None]:
     """Create parameters on the meta device and record how ``__init__`` initializes them.
 
     Args:
         verify: also note how each model is constructed, so ``setup`` can build it again eagerly
             and compare (:mod:`~minifabric.init.verify`).
+        keep: ``(parts, index)``: keep chunk ``index`` of ``parts`` along dim 0 of each value a first
+            (random) write computes at construction, the part of it this rank will hold after
+            ``setup`` (``(1, 0)``: all of it), so ``setup`` copies it instead of running the init a
+            second time. None keeps nothing (``setup`` replays every init).
 
     Example:
         >>> import torch
@@ -45,7 +49,7 @@ def meta_init_context(verify: bool = False) -> Iterator[None]:
         >>> layer.weight.is_meta
         False
     """
-    recorder = Recorder()
+    recorder = Recorder(keep)
 
     def on_parameter(module: nn.Module, name: str, param: nn.Parameter) -> nn.Parameter:
         with recorder.paused_recording():

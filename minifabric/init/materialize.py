@@ -165,10 +165,12 @@ def materialize(
             tensors: Any = sub._parameters if is_param else sub._buffers
             old = tensors[name]
             if id(old) not in replaced:  # tied weights: one parameter in several places
-                full = _value(handle)
-                if on_value is not None:
-                    on_value(names.get((id(sub), name), name), full)
-                replaced[id(old)] = _place(old, full, device if is_param else buffer_device)
+                target = device if is_param else buffer_device
+                if on_value is not None or not _place_kept(old, handle, target, replaced):
+                    full = _value(handle)
+                    if on_value is not None:
+                        on_value(names.get((id(sub), name), name), full)
+                    replaced[id(old)] = _place(old, full, target)
             if replaced[id(old)] is not None:
                 tensors[name] = replaced[id(old)]
 
@@ -180,6 +182,40 @@ def _place(old: torch.Tensor, full: torch.Tensor, device: Any) -> torch.Tensor |
         return None
     value = full.to(device=device, dtype=old.dtype)
     return type(old)(value, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else value
+
+
+def _place_kept(old: Any, handle: Handle, device: Any, replaced: dict) -> bool:
+    """Use the part of the value kept at construction, if it is exactly what this rank holds.
+
+    A plain tensor needs the whole value (kept as part ``(1, 0)``); a DTensor needs chunk ``index``
+    of ``parts`` along dim 0, which it holds only under one ``Shard(0)`` over a mesh of ``parts``
+    ranks where it is rank ``index``. Anything else is replayed.
+    """
+    kept = handle.base.kept
+    if kept is None or handle.chain:
+        return False
+    (parts, index), part = kept
+    if not _is_dtensor(old):
+        if (parts, index) != (1, 0) or part.shape != old.shape:
+            return False
+        value = part.to(device=device, dtype=old.dtype)
+        replaced[id(old)] = (
+            type(old)(value, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else value
+        )
+        return True
+    from torch.distributed.tensor import Shard
+
+    mesh, local = old.device_mesh, old.to_local()
+    if (
+        mesh.ndim != 1
+        or tuple(old.placements) != (Shard(0),)
+        or (mesh.size(), mesh.get_local_rank()) != (parts, index)
+        or local.shape != part.shape
+    ):
+        return False
+    local.copy_(part)
+    replaced[id(old)] = None
+    return True
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

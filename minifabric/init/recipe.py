@@ -39,6 +39,8 @@ class Base:
     creator: Op | None = None  # origin "computed": the call that produced it
     ops: list[Op] = field(default_factory=list)
     problem: str | None = None  # why its value cannot be reproduced (raised at setup)
+    #: ((parts, index), chunk ``index`` of the value along dim 0), kept from construction (see Recorder._keep)
+    kept: tuple[tuple[int, int], torch.Tensor] | None = None
 
     @property
     def written(self) -> bool:

@@ -99,8 +99,9 @@ class Recorder(TorchFunctionMode):
     born without memory. Real tensors are left alone, so buffers computed in ``__init__`` are real.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keep: tuple[int, int] | None = None) -> None:
         super().__init__()
+        self.keep = keep
         self._alive: list[torch.Tensor] = []  # tracked meta tensors: their storages are never reused
         self._by_storage: dict[int, list[tuple[torch.Tensor, Handle]]] = {}
         self.paused = 0
@@ -239,6 +240,7 @@ class Recorder(TorchFunctionMode):
                 seeded = bool(probe.seeded)
             except (NotImplementedError, RuntimeError):
                 pass  # no meta kernel, or meta cannot take it (`out=` under a device context)
+        base.kept = None  # a value kept from an earlier op is stale now
         if seeded:
             self._advance_rng(op)
         base.ops.append(op)
@@ -259,8 +261,25 @@ class Recorder(TorchFunctionMode):
         call(op, scratch, resolve, dict(gens))
         if not torch.equal(before, torch.get_rng_state()):
             op.rng = before
+        if op.target is not None and not op.target.chain and not op.target.base.ops:
+            self._keep(op.target.base, scratch)
         if all(torch.equal(op.generators[k], g.get_state()) for k, g in gens.items()):
             op.generators = {}
+
+    def _keep(self, base: Base, value: Any) -> None:
+        """Keep this rank's part of the value the first write of an uninitialized base computed.
+
+        ``keep`` is ``(parts, index)``: the part ``setup`` will place on this rank is chunk ``index``
+        of ``parts`` along dim 0 (``(1, 0)``: all of it). Replay at ``setup`` then only copies it,
+        instead of running the (random) op a second time; ``setup`` uses it only where the
+        parameter's placement is exactly that chunk, and replays otherwise.
+        """
+        if self.keep is None or base.origin != "empty" or value is None or value.dim() == 0:
+            return
+        parts, index = self.keep
+        chunks = value.chunk(parts, 0)
+        part = chunks[index] if index < len(chunks) else value.narrow(0, 0, 0)
+        base.kept = (self.keep, part.clone())
 
     def _fresh(self, func: Callable, args: tuple, kwargs: dict, result: torch.Tensor) -> torch.Tensor:
         """A meta tensor made from no tensor (``torch.zeros(n, device="meta")``): replayed on the CPU."""

@@ -213,6 +213,12 @@ class FSDPStrategy(Strategy):
     def _reshard_after_forward(self) -> bool:
         return self.sharding_strategy != "SHARD_GRAD_OP"
 
+    def meta_init_part(self) -> tuple[int, int] | None:
+        """``FULL_SHARD``/``SHARD_GRAD_OP`` shard every parameter's dim 0 over all ranks (``Shard(0)``)."""
+        if self.sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+            return None
+        return self.world_size, self.global_rank
+
     def wrap(self, module: nn.Module) -> nn.Module:
         """Shard ``module`` now as its own unit (manual wrapping inside ``acc.init_module()``)."""
         if isinstance(module, FSDPModule):

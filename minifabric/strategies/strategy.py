@@ -207,6 +207,15 @@ class Strategy:
         module = self.precision.convert_module(module)
         return module.to(self.root_device)
 
+    def meta_init_part(self) -> tuple[int, int] | None:
+        """Which part of each parameter this rank holds after ``setup``: chunk ``index`` of ``parts``
+        along dim 0, as ``(parts, index)``; None if it is not one such chunk.
+
+        ``init_module(empty_init=True)`` keeps that part of each value a random init computes at
+        construction, so ``setup`` does not run the init again. One process holds everything.
+        """
+        return (1, 0) if self.world_size == 1 else None
+
     def _recorded_places(self, module: nn.Module) -> list:
         """The recorded init of ``module``'s meta tensors (:func:`minifabric.init.recorded_places`).
 
@@ -326,7 +335,7 @@ def _module_init_context(strategy: Strategy, empty_init: bool, verify: bool) -> 
     try:
         with strategy.precision.tensor_init_context(), device:
             if empty_init:
-                with meta_init_context(verify=verify):
+                with meta_init_context(verify=verify, keep=strategy.meta_init_part()):
                     yield
             else:
                 yield
