@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -9,18 +10,79 @@ from torch import nn
 
 from minifabric._torch import track_scheduler_steps
 from minifabric.init import has_meta_tensors, verify_requested
-from minifabric.wrappers import _WrappedModule, _WrappedOptimizer
+from minifabric.wrappers import _WrappedDataLoader, _WrappedModule, _WrappedOptimizer
 
 
 class CallWithAccelerator:
-    """A picklable ``fn(acc, *args)`` for spawned processes."""
+    """A picklable ``fn(acc, *args)`` for spawned processes.
+
+    As in Fabric, ``DataLoader`` (and ``BatchSampler``) subclasses created while ``fn`` runs record
+    their ``__init__`` arguments, so ``setup_dataloaders`` can rebuild one with a distributed sampler
+    even when its ``__init__`` takes arguments that it does not keep as attributes (with several
+    processes: with one, no loader is rebuilt).
+    """
 
     def __init__(self, accelerator: Any, function: Callable[..., Any]) -> None:
         self.accelerator = accelerator
         self.function = function
 
     def __call__(self, *args: Any) -> Any:
-        return self.function(self.accelerator, *args)
+        if self.accelerator.world_size == 1:  # no sampler to inject: skip lightning's import (~1 s)
+            return self.function(self.accelerator, *args)
+        from lightning_fabric.utilities.data import _replace_dunder_methods
+        from torch.utils.data import BatchSampler, DataLoader
+
+        with _replace_dunder_methods(DataLoader, "dataset"), _replace_dunder_methods(BatchSampler):
+            return self.function(self.accelerator, *args)
+
+
+def check_launch_function(function: Any, args: tuple, spawn_only: bool) -> None:
+    """Refuse, before any process starts, a ``launch`` target that cannot be called as ``fn(acc, *args)``.
+
+    Args:
+        function: what was passed to ``launch`` (None: re-run the script).
+        args: the arguments that follow the accelerator.
+        spawn_only: the strategy starts processes only by calling a function (``"ddp_spawn"``).
+    """
+    if function is None:
+        if spawn_only:
+            raise TypeError(
+                'strategy="ddp_spawn" starts processes that run a function: call `acc.launch(train)`'
+                ' with `def train(acc): ...`, or use strategy="ddp" to re-run the script with `acc.launch()`.'
+            )
+        return
+    if not callable(function):
+        raise TypeError(
+            f"`acc.launch(function)` needs a callable, got {function!r}. Example: `acc.launch(train)`"
+            " (not `acc.launch(train())`)."
+        )
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin without a signature: let the call decide
+        return
+    try:
+        signature.bind(None, *args)
+    except TypeError as err:
+        raise TypeError(
+            f"`acc.launch({getattr(function, '__name__', function)!r}, ...)` calls it as fn(acc, *args) with"
+            f" {len(args)} more argument(s), which its signature {signature} does not take ({err}). The"
+            " accelerator comes first: `def train(acc, ...): ...`."
+        ) from None
+
+
+def check_dataloaders(dataloaders: tuple) -> None:
+    """``setup_dataloaders``'s arguments: at least one, each a ``DataLoader`` not set up already."""
+    from torch.utils.data import DataLoader
+
+    if not dataloaders:
+        raise ValueError("`acc.setup_dataloaders()` needs at least one DataLoader.")
+    for loader in dataloaders:
+        if isinstance(loader, _WrappedDataLoader):
+            raise ValueError(
+                "This DataLoader was already set up by `acc.setup_dataloaders`; keep using what it returned."
+            )
+        if not isinstance(loader, DataLoader):
+            raise TypeError(f"Expected a torch.utils.data.DataLoader, got {type(loader).__name__}.")
 
 
 def point_scheduler_at(scheduler: Any, optimizer: Any) -> None:

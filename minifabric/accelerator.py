@@ -21,7 +21,9 @@ from torch.utils.data import DataLoader
 
 from minifabric._arguments import (
     CallWithAccelerator,
+    check_dataloaders,
     check_init_module_arguments,
+    check_launch_function,
     check_safetensors_state,
     check_state,
     point_scheduler_at,
@@ -29,10 +31,16 @@ from minifabric._arguments import (
 )
 from minifabric._torch import split_compiled
 from minifabric.callbacks import as_list, call_hook, check_loggers, log_metrics
-from minifabric.data import distributed_dataloader
-from minifabric.fabric_compat import present_precision_to_lightning, set_rank_zero, split_plugins, to_device
+from minifabric.data import setup_dataloader
+from minifabric.fabric_compat import (
+    attach_lightning_module,
+    present_precision_to_lightning,
+    set_rank_zero,
+    split_plugins,
+    to_device,
+)
 from minifabric.precision import Precision, PrecisionInput
-from minifabric.resolve import AcceleratorStr, StrategyStr, apply_cli_settings, resolve
+from minifabric.resolve import AcceleratorStr, StrategyStr, apply_cli_settings, launched_by_cli, resolve
 from minifabric.seed import seed_everything as _seed_everything
 from minifabric.signals import PeerFailed
 from minifabric.strategies.rebind import OrphanWatch, SetupLedger, parameter_names
@@ -103,6 +111,8 @@ class Accelerator:
         # raises at step() of an optimizer left holding parameters that setup replaced
         self._orphans = OrphanWatch()
         weakref.finalize(self, self._orphans.close)
+        if launched_by_cli():  # as under `fabric run`: the script's own torch.distributed calls work
+            self._join()
 
     # ---- properties --------------------------------------------------------------------------
 
@@ -183,16 +193,17 @@ class Accelerator:
             >>> Accelerator(accelerator="cpu").launch(lambda acc: acc.world_size)
             1
         """
+        check_launch_function(function, args, self._strategy.spawn_only and not launched_by_cli())
         if self._launched:
+            if launched_by_cli():  # `minifabric run` started and joined the processes already
+                return function(self, *args) if function is not None else None
             raise RuntimeError("`acc.launch()` was already called. Call it once, before `acc.setup(...)`.")
-        if function is not None and not callable(function):
-            raise TypeError(
-                f"`acc.launch(function)` needs a callable, got {function!r}. Example: `acc.launch(train)`."
-            )
         target = CallWithAccelerator(self, function) if function is not None else None
         return self._strategy.launcher.launch(self._join, target, *args)
 
     def _join(self) -> None:
+        if self._launched:
+            return
         self._strategy.setup_environment()
         set_rank_zero(self.global_rank)
         self._launched = True
@@ -296,6 +307,7 @@ class Accelerator:
             return model
         wrapped = self.setup_optimizers(*optimizers)
         wrapped = list(wrapped) if isinstance(wrapped, (list, tuple)) else [wrapped]
+        attach_lightning_module(model.module, self, self._callbacks, wrapped)
         self.call("on_after_setup", fabric=self, module=model)  # Fabric's hook, after setup(model, opt)
         if scheduler is not None:
             point_scheduler_at(scheduler, wrapped[0])
@@ -311,20 +323,24 @@ class Accelerator:
         Returns:
             The set-up model: call it like the original; ``.module`` is the original module.
         """
-        if isinstance(module, _WrappedModule) or getattr(module, "_minifabric_setup", False):
-            raise RuntimeError(
-                f"This {type(module.module if isinstance(module, _WrappedModule) else module).__name__} was"
-                " already set up. Call `acc.setup(model, ...)` once per model and keep using what it returned."
+        if isinstance(module, _WrappedModule):
+            raise ValueError(
+                f"This {type(module.module).__name__} was already set up: pass the original module, or keep"
+                " using what `acc.setup` returned."
             )
         if not isinstance(module, nn.Module):
             raise TypeError(f"`acc.setup` needs a torch.nn.Module first, got {type(module).__name__}.")
         self._ensure_launched()
         compiled, module = module, split_compiled(module)[0]  # the strategy re-applies the compile
-        names = parameter_names(module)
-        with self._orphans.watch(module):
-            forward_module = self._strategy.setup_module(compiled)
-        module._minifabric_setup = True  # type: ignore[assignment]
-        self._ledger.record(names, module)
+        forward_module = self._ledger.forward_module(module)
+        if (
+            forward_module is None
+        ):  # else set up again, as Fabric allows: the same placed model, a new wrapper
+            names = parameter_names(module)
+            with self._orphans.watch(module):
+                forward_module = self._strategy.setup_module(compiled)
+            self._ledger.record(names, module, forward_module)
+        attach_lightning_module(module, self, self._callbacks)
         return _WrappedModule(forward_module, module, self._strategy)
 
     def setup_optimizers(self, *optimizers: Optimizer) -> Any:
@@ -342,7 +358,7 @@ class Accelerator:
         wrapped = []
         for optimizer in optimizers:
             if isinstance(optimizer, _WrappedOptimizer):
-                raise RuntimeError(
+                raise ValueError(
                     f"This {type(optimizer.optimizer).__name__} was already set up; keep using what"
                     " `acc.setup` returned."
                 )
@@ -370,18 +386,17 @@ class Accelerator:
         Returns:
             One loader, or a tuple of them.
         """
-        if not dataloaders:
-            raise ValueError("`acc.setup_dataloaders()` needs at least one DataLoader.")
+        check_dataloaders(dataloaders)
         self._ensure_launched()
-        out = []
-        for loader in dataloaders:
-            if not isinstance(loader, DataLoader):
-                raise TypeError(f"Expected a torch.utils.data.DataLoader, got {type(loader).__name__}.")
-            if use_distributed_sampler:
-                seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # set by any seed_everything, as in Fabric
-                split = self._strategy.distributed_sampler_kwargs
-                loader = distributed_dataloader(loader, split["num_replicas"], split["rank"], seed)
-            out.append(_WrappedDataLoader(loader, self.device if move_to_device else None))
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # set by any seed_everything, as in Fabric
+        split = self._strategy.distributed_sampler_kwargs  # the data-parallel ranks
+        out = [
+            _WrappedDataLoader(
+                setup_dataloader(loader, use_distributed_sampler, split["num_replicas"], split["rank"], seed),
+                self.device if move_to_device else None,
+            )
+            for loader in dataloaders
+        ]
         return out[0] if len(out) == 1 else tuple(out)
 
     # ---- the step ----------------------------------------------------------------------------
@@ -407,36 +422,43 @@ class Accelerator:
         self,
         module: nn.Module,
         optimizer: Optimizer,
-        max_norm: float | None = None,
         clip_val: float | None = None,
+        max_norm: float | None = None,
         norm_type: float = 2.0,
+        error_if_nonfinite: bool = True,
     ) -> torch.Tensor | None:
-        """Clip gradients by total norm (``max_norm``) or by value (``clip_val``); returns the total norm.
+        """Clip gradients by value (``clip_val``) or by total norm (``max_norm``); returns the total norm.
 
+        The signature is Lightning Fabric's: ``clip_gradients(model, optimizer, 0.5)`` clips by value.
         The norm is taken over all shards: the number a single process would compute.
 
         Args:
             module: the set-up model.
             optimizer: its set-up optimizer (its gradients are unscaled first under ``"16-mixed"``).
-            max_norm: clip so that the total norm is at most this.
             clip_val: clip every gradient element to ``[-clip_val, clip_val]``.
-            norm_type: the p of the p-norm.
+            max_norm: clip so that the total norm is at most this.
+            norm_type: the p of the p-norm (``float("inf")`` for the max norm).
+            error_if_nonfinite: with ``max_norm``, raise if the total norm is NaN or infinite (the
+                gradients are left as they were); ``False`` scales them by the non-finite norm.
 
         Returns:
             The total norm before clipping (with ``max_norm``), else None.
 
         Raises:
             ValueError: both or neither of ``max_norm`` and ``clip_val`` were given.
+            RuntimeError: the total norm is not finite and ``error_if_nonfinite`` is True (on every rank).
         """
         if (max_norm is None) == (clip_val is None):
             raise ValueError(
-                f"Pass exactly one of max_norm={max_norm!r} and clip_val={clip_val!r}, e.g."
+                f"Pass exactly one of clip_val={clip_val!r} and max_norm={max_norm!r}, e.g."
                 " `acc.clip_gradients(model, optimizer, max_norm=1.0)`."
             )
         forward_module = module._forward_module if isinstance(module, _WrappedModule) else module
         opt = optimizer.optimizer if isinstance(optimizer, _WrappedOptimizer) else optimizer
         if max_norm is not None:
-            return self._strategy.clip_gradients_norm(forward_module, opt, max_norm, norm_type)
+            return self._strategy.clip_gradients_norm(
+                forward_module, opt, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite
+            )
         self._strategy.clip_gradients_value(forward_module, opt, clip_val)  # type: ignore[arg-type]
         return None
 
@@ -576,14 +598,20 @@ class Accelerator:
 
     def barrier(self, name: str | None = None) -> None:
         """Wait until every rank gets here (``name`` is accepted for Fabric scripts and unused)."""
+        self._ensure_launched()
         self._strategy.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Send a picklable object from rank ``src`` to all ranks and return it."""
+        self._ensure_launched()
         return self._strategy.broadcast(obj, src)
 
     def all_gather(self, data: Any) -> Any:
-        """Gather tensors (or collections of them) from every rank, stacked on a new first dimension."""
+        """Gather tensors (or collections of them) from every rank, stacked on a new first dimension.
+
+        As in Fabric, with one process the tensors come back as they are (no new dimension).
+        """
+        self._ensure_launched()
         return self._strategy.all_gather(data)
 
     def all_reduce(self, data: Any, reduce_op: str = "mean") -> Any:
@@ -595,16 +623,20 @@ class Accelerator:
         Raises:
             TypeError: ``"mean"`` of an integer tensor (the mean cannot be stored in it).
         """
+        self._ensure_launched()
         return self._strategy.all_reduce(data, reduce_op)
 
-    def seed_everything(self, seed: int | None = None, workers: bool = True) -> int:
+    @staticmethod
+    def seed_everything(seed: int | None = None, workers: bool | None = None, verbose: bool = True) -> int:
         """Seed python, numpy (if installed) and torch on this rank; also seeds data shuffling.
 
-        With ``seed=None`` the seed comes from ``PL_GLOBAL_SEED`` (default 0), as in Fabric.
+        A staticmethod, as in Fabric: ``Accelerator.seed_everything(3)`` works without an instance.
+        With ``seed=None`` the seed comes from ``PL_GLOBAL_SEED`` (default 0). ``workers`` (default
+        True) seeds dataloader workers too; ``verbose`` is accepted for Fabric scripts.
         """
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise TypeError(f"seed must be an int, got {seed!r}.")
-        return _seed_everything(seed, workers=workers)
+        return _seed_everything(seed, workers=True if workers is None else workers)
 
     @contextmanager
     def rank_zero_first(self, local: bool = False) -> Generator[None, None, None]:

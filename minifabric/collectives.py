@@ -107,15 +107,18 @@ def _reduce_in_place(tensor: torch.Tensor, reduce_op: str, world: int, device: t
 
 
 def all_gather(data: Any, device: torch.device) -> Any:
-    """Gather every tensor in ``data`` from all ranks, stacked along a new first dimension."""
+    """Gather every tensor in ``data`` from all ranks, stacked along a new first dimension.
+
+    With one process the tensors come back without a new dimension, as in Lightning Fabric.
+    """
     world = _world_size()
 
     def gather(value: Any) -> Any:
         if not isinstance(value, (torch.Tensor, int, float)):
             return value
         tensor = _as_tensor(value, device).contiguous()
-        if world == 1:
-            return tensor.unsqueeze(0)
+        if world == 1:  # as Fabric: no new dimension with one process
+            return tensor
         shape = torch.tensor(tensor.shape, dtype=torch.long, device=device)
         shapes = [torch.empty_like(shape) for _ in range(world)]
         if shape.numel():

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 
 def move_data_to_device(batch: Any, device: torch.device) -> Any:
@@ -42,6 +42,54 @@ class ResumableDistributedSampler(DistributedSampler):
         start, self.start_index = self.start_index, 0
         indices = list(super().__iter__())
         return iter(indices[start:])
+
+
+def _resumable_sampler_wrapper(sampler: Any, num_replicas: int, rank: int, seed: int) -> DistributedSampler:
+    """Lightning's ``DistributedSamplerWrapper`` over ``sampler`` (each rank gets its share of what the
+    sampler yields, as in Fabric), able to start its next pass at a given index."""
+    from lightning_fabric.utilities.distributed import DistributedSamplerWrapper
+
+    class ResumableSamplerWrapper(DistributedSamplerWrapper):
+        start_index: int = 0
+
+        def __iter__(self) -> Iterator[Any]:
+            start, self.start_index = self.start_index, 0
+            return iter(list(super().__iter__())[start:])
+
+    return ResumableSamplerWrapper(sampler, num_replicas=num_replicas, rank=rank, shuffle=False, seed=seed)
+
+
+def setup_dataloader(
+    dataloader: DataLoader, use_distributed_sampler: bool, num_replicas: int, rank: int, seed: int
+) -> DataLoader:
+    """The loader ``setup_dataloaders`` iterates: ``dataloader`` itself, or rebuilt with a distributed sampler.
+
+    As in Fabric: a loader over an iterable dataset, with a ``DistributedSampler`` already, or with
+    ``use_distributed_sampler=False`` is kept as built; so is one with a custom sampler on one
+    process. With several processes a custom sampler is wrapped so that each rank gets its share of
+    what it yields (it must have ``__len__``). A ``RandomSampler`` or ``SequentialSampler`` is
+    replaced by a resumable ``DistributedSampler`` (also on one process, for mid-epoch resume).
+    """
+    from lightning_fabric.utilities.data import has_iterable_dataset
+
+    if not use_distributed_sampler or has_iterable_dataset(dataloader):
+        return dataloader
+    sampler = dataloader.sampler
+    if isinstance(sampler, DistributedSampler):
+        return dataloader
+    if isinstance(sampler, (RandomSampler, SequentialSampler)):  # as Fabric: over the dataset
+        return distributed_dataloader(dataloader, num_replicas, rank, seed)
+    if num_replicas == 1:
+        return dataloader
+    if not isinstance(sampler, Sized):
+        raise TypeError(
+            f"The DataLoader's sampler {type(sampler).__name__} has no `__len__`, so it cannot be split"
+            " between the processes. Give it a `__len__`, or shard the data yourself and pass"
+            " `acc.setup_dataloaders(loader, use_distributed_sampler=False)`."
+        )
+    from lightning_fabric.utilities.data import _update_dataloader
+
+    return _update_dataloader(dataloader, _resumable_sampler_wrapper(sampler, num_replicas, rank, seed))
 
 
 def distributed_dataloader(dataloader: DataLoader, num_replicas: int, rank: int, seed: int) -> DataLoader:

@@ -95,6 +95,25 @@ def split_plugins(plugins: Any, precision: Any) -> tuple[Any, Any]:
     return chosen, environment
 
 
+def attach_lightning_module(
+    module: Any, accelerator: Any, callbacks: list[Any], optimizers: Any = None
+) -> None:
+    """Give a ``LightningModule`` the accelerator, as Fabric's ``setup`` does.
+
+    A module with a ``_fabric`` attribute (lightning's ``LightningModule``) gets the accelerator
+    there, so ``self.fabric``, ``self.logger`` and ``self.log`` go to the accelerator and its
+    loggers; ``self.optimizers()`` returns the set-up optimizers; and the module joins the
+    callbacks, so ``acc.call("on_train_epoch_end")`` reaches its hooks.
+    """
+    if not hasattr(module, "_fabric"):
+        return
+    module._fabric = accelerator
+    if optimizers is not None:
+        module._fabric_optimizers = list(optimizers)
+    if not any(callback is module for callback in callbacks):
+        callbacks.append(module)
+
+
 def to_device(obj: Any, device: torch.device) -> Any:
     """``module.to(device)`` for a module; every tensor in a collection moved for anything else."""
     if isinstance(obj, torch.nn.Module):

@@ -5,8 +5,8 @@ Three small classes cover the six precision strings:
 - `Precision` (``"32-true"``): nothing to do.
 - `TruePrecision` (``"64-true"``, ``"bf16-true"``, ``"16-true"``): parameters, inputs and
   new tensors all live in one dtype.
-- `MixedPrecision` (``"bf16-mixed"``, ``"16-mixed"``): float32 parameters, forward under
-  ``torch.autocast``; ``"16-mixed"`` adds a gradient scaler so small fp16 gradients do not flush to zero.
+- `MixedPrecision` (``"bf16-mixed"``, ``"16-mixed"``): float32 parameters, floating-point inputs cast
+  to the compute dtype and forward under ``torch.autocast``; ``"16-mixed"`` adds a gradient scaler so small fp16 gradients do not flush to zero.
 """
 
 from __future__ import annotations
@@ -101,6 +101,10 @@ class TruePrecision(Precision):
         self.param_dtype = self.compute_dtype = dtype
 
     def convert_module(self, module: nn.Module) -> nn.Module:
+        if self.param_dtype == torch.float64:
+            return (
+                module.double()
+            )  # as Fabric: complex tensors stay complex (``.to(float64)`` drops the imaginary part)
         return module.to(dtype=self.param_dtype)
 
     @contextmanager
@@ -151,6 +155,11 @@ class MixedPrecision(Precision):
     def forward_context(self) -> Generator[None, None, None]:
         with torch.autocast(self.device_type, dtype=self.compute_dtype):
             yield
+
+    def convert_input(self, data: Any) -> Any:
+        # as Fabric: floating-point inputs enter forward in the compute dtype, so ops that autocast
+        # leaves alone (elementwise, custom) run in it too
+        return _cast_floats(data, self.compute_dtype)
 
     def convert_output(self, data: Any) -> Any:
         return _cast_floats(data, torch.get_default_dtype())

@@ -115,6 +115,14 @@ class Resolved:
     strategy: Strategy
 
 
+def launched_by_cli() -> bool:
+    """Whether ``minifabric run`` started this process (it passes its flags through ``MINIFABRIC_*``).
+
+    Then, as under ``fabric run``, the processes exist and ``Accelerator()`` joins them at once.
+    """
+    return ENV_SETTINGS["devices"] in os.environ and "LOCAL_RANK" in os.environ
+
+
 def apply_cli_settings(args: dict[str, Any]) -> dict[str, Any]:
     """Fill arguments left at their defaults from ``minifabric run``'s flags; explicit arguments win."""
     out = dict(args)
@@ -257,9 +265,11 @@ def resolve(
     device_type = _accelerator_type(canonical("accelerator", accelerator))
     precision = canonical("precision", precision)
     strategy_options: dict[str, Any] = {}
+    spawn_only = False
     if not isinstance(strategy, Strategy):
         if isinstance(strategy, str) and strategy.strip().lower() == "ddp_find_unused_parameters_true":
             strategy_options["find_unused_parameters"] = True
+        spawn_only = isinstance(strategy, str) and strategy.strip().lower() == "ddp_spawn"
         strategy = canonical("strategy", strategy)
     if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
         raise ValueError(f"num_nodes={num_nodes!r} must be a positive int, e.g. Accelerator(num_nodes=2).")
@@ -309,6 +319,7 @@ def resolve(
         if isinstance(strategy, Strategy)
         else strategy_from_string(strategy, world_size, **strategy_options)
     )
+    strategy_obj.spawn_only = spawn_only
     strategy_obj.connect(
         environment=env,
         device=device,

@@ -10,6 +10,7 @@ from types import MethodType
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
@@ -61,7 +62,27 @@ class _WrappedModule(nn.Module):
         args, kwargs = precision.convert_input((args, kwargs))
         with self._strategy.forward_context():
             output = self._forward_module(*args, **kwargs)
-        return precision.convert_output(output)
+        return self._guard_backward(precision.convert_output(output))
+
+    def _guard_backward(self, output: Any) -> Any:
+        """Make a plain ``loss.backward()`` through ``output`` raise where ``acc.backward`` is required."""
+        strategy = self._strategy
+        if not strategy.requires_backward_call or not torch.is_grad_enabled():
+            return output
+
+        def check(_grad: torch.Tensor) -> None:
+            if not strategy.in_backward:
+                raise RuntimeError(
+                    f'precision="{strategy.precision.name}" with {type(strategy).__name__} runs backward through'
+                    " the accelerator, as Lightning Fabric does: replace `loss.backward()` with `acc.backward(loss)`."
+                )
+
+        def register(tensor: torch.Tensor) -> None:
+            if tensor.requires_grad:
+                tensor.register_hook(check)
+
+        apply_to_collection(output, torch.Tensor, register)
+        return output
 
     def mark_forward_method(self, method: str | MethodType) -> None:
         """Run ``method`` of the user's module through the strategy's forward, like ``training_step``.
@@ -101,7 +122,7 @@ class _WrappedModule(nn.Module):
                 output = self._call_in_place(name, args, kwargs)
             else:
                 output = self._call_through_wrapper(name, args, kwargs)
-        return precision.convert_output(output)
+        return self._guard_backward(precision.convert_output(output))
 
     def _call_in_place(self, name: str, args: tuple, kwargs: dict) -> Any:
         # The module is its own forward module (one device, or sharded in place by FSDP2): FSDP2
@@ -276,6 +297,11 @@ class _WrappedDataLoader:
         """The underlying ``DataLoader``."""
         return self._dataloader
 
+    @property
+    def device(self) -> torch.device | None:
+        """Where batches are moved (None with ``move_to_device=False``), as Fabric's loader has it."""
+        return self._device
+
     def __len__(self) -> int:
         return len(self._dataloader)
 
@@ -292,6 +318,11 @@ class _WrappedDataLoader:
         if start:
             sampler.start_index = start  # type: ignore[union-attr]
         generator = getattr(self._dataloader, "generator", None)
+        if owns_generator(self._dataloader) and not start:
+            # A loader without a generator of its own (Fabric's) draws its workers' base seed from
+            # the global RNG here: draw it too, so the script's random stream stays Fabric's (a
+            # pass resumed mid-epoch made that draw before the checkpoint).
+            torch.empty((), dtype=torch.int64).random_()
         if not reseed_loader_generator(self._dataloader, self._epoch) and generator is not None:
             # Creating the iterator draws from the generator: keep the state from before that
             # draw, so a run resumed mid-epoch draws the same worker seeds again.

@@ -284,6 +284,11 @@ class FSDPStrategy(Strategy):
 
     # ---- the step ----------------------------------------------------------------------------
 
+    @property
+    def requires_backward_call(self) -> bool:
+        """Always, as Fabric's FSDP strategy (its precision plugin runs the backward)."""
+        return True
+
     def forward_context(self) -> ContextManager:
         # With a casting policy FSDP2 already runs forward in the low-precision dtype; autocast on
         # top would only add casts. (Decided without building the policy: this runs every forward.)
@@ -303,12 +308,18 @@ class FSDPStrategy(Strategy):
         return without_gradient_sync(module)
 
     def clip_gradients_norm(
-        self, module: nn.Module, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+        *,
+        error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
         """Clip by the norm over all shards; returns it as a plain tensor (the single-process number)."""
         self.precision.unscale_gradients(optimizer)
         params = optimizer_parameters(optimizer)
-        return clip_grad_norm_(params, max_norm, norm_type)
+        return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
 
 
 @contextmanager

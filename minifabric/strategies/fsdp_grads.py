@@ -64,14 +64,27 @@ def total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     return stacked.max() if is_inf else stacked.sum().pow(1.0 / norm_type)
 
 
-def clip_grad_norm_(parameters: list[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: list[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
     """Scale the gradients so that their total norm is at most ``max_norm``; return the norm before.
 
     Like ``torch.nn.utils.clip_grad_norm_``, but the returned norm is a plain tensor equal on every
-    rank to the single-process norm, and it never hangs on empty shards.
+    rank to the single-process norm, and it never hangs on empty shards. The norm is the same on
+    every rank, so with ``error_if_nonfinite`` every rank raises together.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     norm = total_norm(grads, norm_type)
+    if error_if_nonfinite and not torch.isfinite(norm):
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it"
+            " cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway,"
+            " set `error_if_nonfinite=False`"
+        )
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     with torch.no_grad():
         for grad in grads:

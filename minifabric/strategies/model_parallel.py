@@ -252,11 +252,18 @@ class ModelParallelStrategy(Strategy):
         return without_gradient_sync(module)
 
     def clip_gradients_norm(
-        self, module: nn.Module, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+        *,
+        error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
         """Clip by the norm over all shards of both meshes; returns the single-process number."""
         self.precision.unscale_gradients(optimizer)
-        return clip_grad_norm_(optimizer_parameters(optimizer), max_norm, norm_type)
+        params = optimizer_parameters(optimizer)
+        return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
 
     # `barrier`, `broadcast`, `all_gather`, `all_reduce` are the base class's: over all ranks of
     # the run (the default group), not over one data- or tensor-parallel group.

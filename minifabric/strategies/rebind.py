@@ -84,25 +84,32 @@ class SetupLedger:
 
     def __init__(self) -> None:
         self._setups: list[tuple[dict[int, str], nn.Module]] = []
+        self._forward: dict[int, nn.Module] = {}  # id(module) -> the module its forward calls
 
-    def record(self, names_before: dict[int, str], module: nn.Module) -> None:
+    def record(self, names_before: dict[int, str], module: nn.Module, forward_module: nn.Module) -> None:
         """Remember ``module``, set up just now, with its parameter names from before ``setup``."""
         self._setups.append((names_before, module))
+        self._forward[id(module)] = forward_module
+
+    def forward_module(self, module: nn.Module) -> nn.Module | None:
+        """What ``setup`` made of ``module`` (None if it was not set up here)."""
+        if any(recorded is module for _, recorded in self._setups):
+            return self._forward[id(module)]
+        return None
 
     def rebind(self, optimizer: Optimizer) -> None:
-        """Point ``optimizer`` at the set-up parameters of the model it was built over."""
+        """Point ``optimizer`` at the set-up parameters of the model it was built over.
+
+        An optimizer over parameters of no model set up here is left as it is, as Fabric's
+        ``setup_optimizers`` leaves it (if ``setup`` replaces those parameters later, its first
+        ``step()`` raises: see :class:`OrphanWatch`).
+        """
         ids = {id(p) for p in optimizer_parameters(optimizer)}
         for names, module in reversed(self._setups):
             if ids & names.keys() or ids & {id(p) for p in module.parameters()}:
                 names = {**names, **{id(p): _clean(n) for n, p in module.named_parameters()}}
                 rebind_optimizer(optimizer, names, module)
                 return
-        if not self._setups:
-            raise RuntimeError("Set up the model first: `model, optimizer = acc.setup(model, optimizer)`.")
-        raise ValueError(
-            f"{type(optimizer).__name__} holds no parameter of any model set up with this Accelerator."
-            " Build it over the model's parameters: `torch.optim.AdamW(model.parameters())`."
-        )
 
 
 class OrphanWatch:

@@ -80,6 +80,10 @@ class Strategy:
         self.root_device = torch.device("cpu")
         self.num_nodes = 1
         self.num_processes = 1  # on this node
+        #: ``launch()`` must be given a function (``strategy="ddp_spawn"``, as in Fabric)
+        self.spawn_only = False
+        #: inside :meth:`backward` (a plain ``loss.backward()`` runs with this False)
+        self.in_backward = False
 
     # ---- the world ---------------------------------------------------------------------------
 
@@ -94,6 +98,9 @@ class Strategy:
     ) -> None:
         """Receive the resolved environment, device and precision (called once by the Accelerator)."""
         self.environment = environment
+        if isinstance(environment, LocalEnvironment) and not environment.creates_processes_externally:
+            # the configured world, also before `launch()` starts it (as Fabric reports it)
+            environment.set_world_size(num_nodes * num_processes)
         self.root_device = device
         self.num_processes = num_processes
         self.num_nodes = num_nodes
@@ -258,9 +265,22 @@ class Strategy:
         """The context the wrapped module's forward runs in."""
         return self.precision.forward_context()
 
+    @property
+    def requires_backward_call(self) -> bool:
+        """Whether a plain ``loss.backward()`` on the set-up model's output is refused (as in Fabric).
+
+        True where backward must go through :meth:`backward` (mixed precision here; FSDP always),
+        so a forgotten ``acc.backward(loss)`` fails at once instead of training differently.
+        """
+        return self.precision.is_mixed
+
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """Run backward through the precision plugin."""
-        self.precision.pre_backward(tensor).backward(*args, **kwargs)
+        self.in_backward = True
+        try:
+            self.precision.pre_backward(tensor).backward(*args, **kwargs)
+        finally:
+            self.in_backward = False
 
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
         """Step through the precision plugin (gradient scaler); local: no communication of its own."""
@@ -273,12 +293,24 @@ class Strategy:
         return nullcontext()
 
     def clip_gradients_norm(
-        self, module: nn.Module, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+        *,
+        error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
-        """Clip gradients by their total norm (across all shards) and return that norm."""
+        """Clip gradients by their total norm (across all shards) and return that norm.
+
+        With ``error_if_nonfinite`` a NaN or infinite norm raises (torch's error) and leaves the
+        gradients as they were.
+        """
         self.precision.unscale_gradients(optimizer)
         params = optimizer_parameters(optimizer)
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        return torch.nn.utils.clip_grad_norm_(
+            params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
+        )
 
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float) -> None:
         """Clamp every gradient element to ``[-clip_val, clip_val]``."""

@@ -110,10 +110,10 @@ def test_collectives_are_the_identity_on_one_process(acc):
     acc.barrier()
     assert acc.broadcast({"a": 1}) == {"a": 1}
     tensor = torch.tensor([1.0, 3.0])
-    assert torch.equal(acc.all_gather(tensor), tensor.unsqueeze(0))
+    assert torch.equal(acc.all_gather(tensor), tensor)  # as Fabric: no new dimension on one process
     gathered = acc.all_gather({"x": tensor, "n": 2})
-    assert gathered["x"].shape == (1, 2)
-    assert gathered["n"].tolist() == [2]
+    assert gathered["x"].shape == (2,)
+    assert gathered["n"].tolist() == 2
     for op in ("mean", "sum", "max", "min"):
         assert torch.equal(acc.all_reduce(tensor, reduce_op=op), tensor)
     assert acc.all_reduce(3, reduce_op="mean").item() == 3
@@ -192,13 +192,24 @@ def test_launch_with_a_non_callable_raises():
         Accelerator(accelerator="cpu").launch(3)
 
 
-def test_setting_up_the_same_model_twice_raises(acc):
+def test_setting_up_the_returned_model_again_raises_value_error_as_fabric(acc):
     model = nn.Linear(2, 2)
     wrapped = acc.setup(model)
-    with pytest.raises(RuntimeError, match="Linear was already set up"):
-        acc.setup(model)
-    with pytest.raises(RuntimeError, match="Linear was already set up"):
+    with pytest.raises(ValueError, match="Linear was already set up"):
         acc.setup(wrapped)
+    with pytest.raises(ValueError, match="Linear was already set up"):
+        acc.setup_module(wrapped)
+
+
+def test_setting_up_the_same_raw_model_again_is_allowed_as_in_fabric(acc):
+    model = nn.Linear(2, 2)
+    first = acc.setup_module(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    second, optimizer = acc.setup(model, optimizer)  # Fabric allows this: the same model, set up once
+    assert second.module is model and first.module is model
+    acc.backward(second(torch.ones(1, 2)).sum())
+    optimizer.step()
+    assert torch.equal(first.weight, model.weight)
 
 
 def test_setup_of_a_non_module_raises(acc):
@@ -219,16 +230,17 @@ def test_optimizer_over_another_models_parameters_raises(acc):
         acc.setup(model, torch.optim.SGD([*model.parameters(), *other.parameters()], lr=0.1))
 
 
-def test_optimizer_of_a_model_never_set_up_raises(acc):
+def test_optimizer_of_a_model_never_set_up_is_set_up_as_in_fabric(acc):
     acc.setup_module(nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="holds no parameter of any model set up"):
-        acc.setup_optimizers(torch.optim.SGD(nn.Linear(3, 3).parameters(), lr=0.1))
+    other = nn.Linear(3, 3)
+    optimizer = acc.setup_optimizers(torch.optim.SGD(other.parameters(), lr=0.1))
+    assert optimizer.param_groups[0]["params"][0] is other.weight
 
 
 def test_setting_up_an_optimizer_twice_raises(acc):
     model = nn.Linear(2, 2)
     model, optimizer = acc.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(RuntimeError, match="already set up"):
+    with pytest.raises(ValueError, match="already set up"):
         acc.setup_optimizers(optimizer)
 
 
@@ -236,7 +248,7 @@ def test_setting_up_an_optimizer_twice_raises(acc):
 def test_clip_gradients_needs_exactly_one_of_max_norm_and_clip_val(acc, kwargs):
     model = nn.Linear(2, 2)
     model, optimizer = acc.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(ValueError, match=r"exactly one of max_norm=.* and clip_val="):
+    with pytest.raises(ValueError, match=r"exactly one of clip_val=.* and max_norm="):
         acc.clip_gradients(model, optimizer, **kwargs)
 
 

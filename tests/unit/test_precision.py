@@ -46,8 +46,8 @@ def test_module_inputs_and_outputs_get_the_documented_dtypes(precision):
     model = acc.setup(Recorder())
     assert {p.dtype for p in model.parameters()} == {param_dtype}
     out = model(torch.randn(2, 4))
-    # true precisions cast the input; mixed ones keep float32 inputs and autocast the matmul
-    assert model.seen["input"] == (param_dtype if not acc.precision.is_mixed else torch.float32)
+    # every precision casts floating-point inputs to the dtype forward computes in (as Fabric does)
+    assert model.seen["input"] == compute_dtype
     assert model.seen["compute"] == compute_dtype
     assert out.dtype == torch.float32  # outputs come back in the default dtype
 
@@ -165,9 +165,10 @@ def test_16_mixed_scaler_state_is_checkpointed():
 def test_16_mixed_step_after_a_plain_backward_names_acc_backward():
     _, model, optimizer, x = _fp16_setup()
     before = [p.detach().clone() for p in model.parameters()]
-    model(x).pow(2).mean().backward()  # not acc.backward: the loss was never scaled
+    with pytest.raises(RuntimeError, match=r"replace `loss.backward\(\)` with `acc.backward\(loss\)`"):
+        model(x).pow(2).mean().backward()  # not acc.backward: refused at once, as Fabric refuses it
     with pytest.raises(RuntimeError, match=r"Replace `loss.backward\(\)` with `acc.backward\(loss\)`"):
-        optimizer.step()
+        optimizer.step()  # and the step still refuses gradients that were never scaled
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
 
 
@@ -176,7 +177,8 @@ def test_16_mixed_plain_backward_after_scaled_steps_still_raises():
     acc.backward(model(x).pow(2).mean())
     optimizer.step()
     optimizer.zero_grad()
-    model(x).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match="16-mixed"):
+        model(x).pow(2).mean().backward()
     with pytest.raises(RuntimeError, match="16-mixed"):
         optimizer.step()
 

@@ -1,0 +1,304 @@
+"""One process, the same calls on Lightning Fabric and on minifabric: the same results (or the same error).
+
+Each test runs one scenario through ``make(...)`` for both libraries (``Fabric`` and ``Accelerator``
+take the same arguments) and compares what a user sees.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning_fabric import Fabric
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
+
+from minifabric import Accelerator
+
+LIBRARIES = {"lightning": Fabric, "minifabric": Accelerator}
+
+
+@pytest.fixture(params=list(LIBRARIES))
+def make(request):
+    return LIBRARIES[request.param]
+
+
+def _on_both(scenario):
+    """``scenario(cls)`` for Fabric and for Accelerator."""
+    return {name: scenario(cls) for name, cls in LIBRARIES.items()}
+
+
+# ---- 2, 3: clip_gradients ------------------------------------------------------------------------
+
+
+def _clip_third_positional(cls):
+    acc = cls(accelerator="cpu", devices=1)
+    model = nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    model, optimizer = acc.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    acc.backward(model(torch.full((1, 2), 3.0)).sum())  # gradient (3, 3): norm 4.24
+    result = acc.clip_gradients(model, optimizer, 0.5)  # Fabric: the third argument is clip_val
+    return result, model.weight.grad.tolist()
+
+
+def test_clip_gradients_takes_fabrics_positional_order():
+    results = _on_both(_clip_third_positional)
+    assert results["minifabric"] == results["lightning"] == (None, [[0.5, 0.5]])
+
+
+def _clip_nonfinite(cls, error_if_nonfinite):
+    acc = cls(accelerator="cpu", devices=1)
+    model = nn.Linear(2, 1)
+    model, optimizer = acc.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    acc.backward(model(torch.tensor([[float("inf"), 1.0]])).sum())
+    grads = [p.grad.clone() for p in model.parameters()]
+    try:
+        norm = acc.clip_gradients(model, optimizer, max_norm=1.0, error_if_nonfinite=error_if_nonfinite)
+    except RuntimeError as err:
+        unchanged = all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
+        return "raised", "non-finite" in str(err), unchanged
+    return "returned", float(norm)
+
+
+def test_clip_gradients_raises_on_a_non_finite_norm_by_default():
+    results = _on_both(lambda cls: _clip_nonfinite(cls, True))
+    assert results["minifabric"] == results["lightning"] == ("raised", True, True)
+    results = _on_both(lambda cls: _clip_nonfinite(cls, False))
+    assert results["minifabric"] == results["lightning"] == ("returned", float("inf"))
+
+
+# ---- 4: setup_dataloaders keeps a custom sampler on one device ---------------------------------
+
+
+def _custom_sampler_order(cls):
+    acc = cls(accelerator="cpu", devices=1)
+    sampler = list(reversed(range(10)))  # any iterable with a length is a sampler
+    loader = acc.setup_dataloaders(DataLoader(TensorDataset(torch.arange(10)), batch_size=5, sampler=sampler))
+    weighted = WeightedRandomSampler([0.0] * 9 + [1.0], num_samples=4)
+    only_last = acc.setup_dataloaders(DataLoader(TensorDataset(torch.arange(10)), sampler=weighted))
+    return [b[0].tolist() for b in loader], [b[0].tolist() for b in only_last]
+
+
+def test_setup_dataloaders_keeps_a_custom_sampler_on_one_device():
+    results = _on_both(_custom_sampler_order)
+    assert results["minifabric"] == results["lightning"] == ([[9, 8, 7, 6, 5], [4, 3, 2, 1, 0]], [[9]] * 4)
+
+
+# ---- 5: seed_everything is a staticmethod --------------------------------------------------------
+
+
+def test_seed_everything_on_the_class_seeds_what_it_is_given(monkeypatch):
+    for cls in LIBRARIES.values():
+        monkeypatch.setenv("PL_GLOBAL_SEED", "7")
+        assert cls.seed_everything(3) == 3
+        first = torch.rand(2)
+        cls.seed_everything(3)
+        assert torch.equal(first, torch.rand(2))
+
+
+# ---- 6: mixed precision casts floating-point inputs --------------------------------------------
+
+
+class _Records(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+
+    def forward(self, x, index):
+        self.seen = (x.dtype, index.dtype)
+        return (self.linear(x) * x).sum()
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_casts_floating_point_inputs_to_the_compute_dtype(precision):
+    def scenario(cls):
+        acc = cls(accelerator="cpu", devices=1, precision=precision)
+        model = acc.setup(_Records())
+        out = model(torch.randn(3, 2), torch.arange(3))
+        return model.seen, out.dtype
+
+    results = _on_both(scenario)
+    compute = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
+    if precision == "16-mixed":  # Fabric switches "16-mixed" to bf16 on CPU; minifabric does not
+        assert results["lightning"][0][0] == torch.bfloat16
+    else:
+        assert results["minifabric"] == results["lightning"]
+    assert results["minifabric"] == ((compute, torch.int64), torch.float32)
+
+
+# ---- 7: "64-true" keeps complex tensors complex -----------------------------------------------
+
+
+class _Complex(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+        self.register_buffer("phase", torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64))
+
+
+def test_64_true_keeps_complex_tensors_complex():
+    def scenario(cls):
+        acc = cls(accelerator="cpu", devices=1, precision="64-true")
+        model = acc.setup(_Complex())
+        return model.linear.weight.dtype, model.phase.dtype, model.phase.tolist()
+
+    results = _on_both(scenario)
+    assert results["minifabric"] == results["lightning"]
+    assert results["minifabric"][1] == torch.complex64
+    assert results["minifabric"][2] == [1 + 2j, 3 - 1j]
+
+
+# ---- 8: before launch(), a multi-process configuration -----------------------------------------
+
+
+def test_before_launch_a_multi_process_run_reports_its_world_and_refuses_collectives():
+    for cls in LIBRARIES.values():
+        acc = cls(accelerator="cpu", devices=2, strategy="ddp")
+        assert acc.world_size == 2
+        for call in (
+            acc.barrier,
+            lambda acc=acc: acc.broadcast(1),
+            lambda acc=acc: acc.all_reduce(torch.ones(1)),
+            lambda acc=acc: acc.all_gather(torch.ones(1)),
+        ):
+            with pytest.raises(RuntimeError, match=r"\.launch\(\)"):
+                call()
+
+
+# ---- 9: all_gather on one process --------------------------------------------------------------
+
+
+def test_all_gather_on_one_process_returns_fabrics_shapes():
+    def scenario(cls):
+        acc = cls(accelerator="cpu", devices=1)
+        acc.launch()
+        out = acc.all_gather({"t": torch.ones(3, 2), "n": 4})
+        return tuple(out["t"].shape), tuple(out["n"].shape)
+
+    results = _on_both(scenario)
+    assert results["minifabric"] == results["lightning"] == ((3, 2), ())
+
+
+# ---- 14, 15: setting things up again ------------------------------------------------------------
+
+
+def test_the_same_raw_model_can_be_set_up_again_and_optimizers_set_up_alone():
+    def scenario(cls):
+        acc = cls(accelerator="cpu", devices=1)
+        torch.manual_seed(0)
+        model = nn.Linear(2, 1)
+        acc.setup_module(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        wrapped, optimizer = acc.setup(model, optimizer)
+        acc.backward(wrapped(torch.ones(1, 2)).sum())
+        optimizer.step()
+        lone = acc.setup_optimizers(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+        return model.weight.tolist(), type(lone).__name__.removeprefix("Fabric").removeprefix("Wrapped")
+
+    results = _on_both(scenario)
+    assert results["minifabric"] == results["lightning"]
+
+
+@pytest.mark.parametrize("cls", list(LIBRARIES.values()))
+def test_passing_set_up_objects_again_raises_value_error(cls):
+    acc = cls(accelerator="cpu", devices=1)
+    model = nn.Linear(2, 2)
+    model, optimizer = acc.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    loader = acc.setup_dataloaders(DataLoader(TensorDataset(torch.arange(4))))
+    for call in (
+        lambda: acc.setup(model),
+        lambda: acc.setup_module(model),
+        lambda: acc.setup_optimizers(optimizer),
+        lambda: acc.setup_dataloaders(loader),
+    ):
+        with pytest.raises(ValueError):
+            call()
+
+
+# ---- 17: the returned loader's device ------------------------------------------------------------
+
+
+def test_the_returned_loader_has_a_device():
+    for cls in LIBRARIES.values():
+        acc = cls(accelerator="cpu", devices=1)
+        dataset = TensorDataset(torch.arange(4))
+        assert acc.setup_dataloaders(DataLoader(dataset)).device == torch.device("cpu")
+        assert acc.setup_dataloaders(DataLoader(dataset), move_to_device=False).device is None
+
+
+# ---- 18: launch(fn) checks fn first ---------------------------------------------------------------
+
+
+def _no_arguments():
+    return 1
+
+
+def test_launch_checks_the_function_before_starting_anything():
+    for cls in LIBRARIES.values():
+        with pytest.raises(TypeError, match="callable"):
+            cls(accelerator="cpu", devices=2).launch(_no_arguments())
+        with pytest.raises(TypeError, match="argument"):
+            cls(accelerator="cpu", devices=2).launch(_no_arguments)
+        with pytest.raises(TypeError, match=r"ddp_spawn|DDPStrategy"):
+            cls(accelerator="cpu", devices=2, strategy="ddp_spawn").launch()
+
+
+# ---- 19: a plain loss.backward() where Fabric requires fabric.backward ---------------------------
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "32-true"])
+def test_a_plain_backward_raises_where_fabric_requires_its_backward(precision):
+    def scenario(cls):
+        acc = cls(accelerator="cpu", devices=1, precision=precision)
+        model = acc.setup(nn.Linear(2, 1))
+        try:
+            model(torch.ones(1, 2)).sum().backward()
+        except RuntimeError as err:
+            return "raised", "backward(loss)" in str(err)
+        return "ran", model.weight.grad is not None
+
+    results = _on_both(scenario)
+    assert results["minifabric"] == results["lightning"]
+    assert results["minifabric"][0] == ("ran" if precision == "32-true" else "raised")
+
+
+# ---- 21: a LightningModule-like module sees the accelerator ---------------------------------------
+
+
+class _LightningLike(nn.Module):
+    """What Fabric looks for in a ``LightningModule``: a ``_fabric`` attribute (lightning is not installed)."""
+
+    def __init__(self):
+        super().__init__()
+        self._fabric = None
+        self._fabric_optimizers = []
+        self.layer = nn.Linear(2, 2)
+        self.epochs = []
+
+    def log(self, name, value):  # what LightningModule.log does under Fabric
+        self._fabric.log(name, value)
+
+    def on_train_epoch_end(self, epoch):
+        self.epochs.append(epoch)
+
+
+class _Logger:
+    def __init__(self):
+        self.rows = []
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append(metrics)
+
+
+def test_a_lightning_module_sees_the_accelerator_and_its_loggers():
+    def scenario(cls):
+        logger = _Logger()
+        acc = cls(accelerator="cpu", devices=1, loggers=logger)
+        module = _LightningLike()
+        _, optimizer = acc.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+        module.log("loss", 1.5)
+        acc.call("on_train_epoch_end", epoch=3)
+        return module._fabric is acc, module._fabric_optimizers == [optimizer], logger.rows, module.epochs
+
+    results = _on_both(scenario)
+    assert results["minifabric"] == results["lightning"] == (True, True, [{"loss": 1.5}], [3])
