@@ -305,6 +305,7 @@ class Accelerator:
                 )
             self.call("on_after_setup", fabric=self, module=model)
             return model
+        self._ledger.check_owned(optimizers, model.module)
         wrapped = self.setup_optimizers(*optimizers)
         wrapped = list(wrapped) if isinstance(wrapped, (list, tuple)) else [wrapped]
         attach_lightning_module(model.module, self, self._callbacks, wrapped)

@@ -97,6 +97,22 @@ class SetupLedger:
             return self._forward[id(module)]
         return None
 
+    def check_owned(self, optimizers: tuple, module: nn.Module) -> None:
+        """Raise unless each optimizer passed together with ``module`` holds some of its parameters."""
+        for names, recorded in self._setups:
+            if recorded is not module:
+                continue
+            known = names.keys() | {id(p) for p in module.parameters()}
+            for optimizer in optimizers:
+                if (
+                    isinstance(optimizer, Optimizer)
+                    and not {id(p) for p in optimizer_parameters(optimizer)} & known
+                ):
+                    raise ValueError(
+                        f"{type(optimizer).__name__} holds no parameter of the {type(module).__name__} it is set"
+                        " up with. Build it over the model's parameters: `torch.optim.AdamW(model.parameters())`."
+                    )
+
     def rebind(self, optimizer: Optimizer) -> None:
         """Point ``optimizer`` at the set-up parameters of the model it was built over.
 
