@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
+from torch.optim import Optimizer
 
 from minifabric._torch import track_scheduler_steps
 from minifabric.init import has_meta_tensors, verify_requested
@@ -68,6 +69,53 @@ def check_launch_function(function: Any, args: tuple, spawn_only: bool) -> None:
             f" {len(args)} more argument(s), which its signature {signature} does not take ({err}). The"
             " accelerator comes first: `def train(acc, ...): ...`."
         ) from None
+
+
+def launch_needed(num_processes: int) -> str:
+    """The message of a call that needs the processes ``launch()`` starts."""
+    return (
+        f"This run needs {num_processes} processes, but none were started. Call `acc.launch()` right after"
+        f" creating the Accelerator (or start the script with `minifabric run --devices {num_processes} script.py`)."
+    )
+
+
+def check_module(module: Any) -> None:
+    """``setup``'s model: a module, not what ``setup`` returned (a ``ValueError``, as in Fabric)."""
+    if isinstance(module, _WrappedModule):
+        raise ValueError(
+            f"This {type(module.module).__name__} was already set up: pass the original module, or keep"
+            " using what `acc.setup` returned."
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"`acc.setup` needs a torch.nn.Module first, got {type(module).__name__}.")
+
+
+def check_optimizers(optimizers: tuple) -> None:
+    """``setup_optimizers``'s arguments: at least one, each an optimizer not set up already."""
+    if not optimizers:
+        raise ValueError("`acc.setup_optimizers()` needs at least one optimizer.")
+    for optimizer in optimizers:
+        if isinstance(optimizer, _WrappedOptimizer):
+            raise ValueError(
+                f"This {type(optimizer.optimizer).__name__} was already set up; keep using what `acc.setup` returned."
+            )
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"Expected a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+
+
+def check_scheduler(scheduler: Any) -> None:
+    """``setup(model, scheduler=...)`` without an optimizer: the scheduler has nothing to drive."""
+    if scheduler is not None:
+        raise ValueError("`scheduler=` needs an optimizer: `acc.setup(model, optimizer, scheduler=sched)`.")
+
+
+def check_clip(clip_val: Any, max_norm: Any) -> None:
+    """``clip_gradients`` clips by value or by norm: exactly one of the two."""
+    if (max_norm is None) == (clip_val is None):
+        raise ValueError(
+            f"Pass exactly one of clip_val={clip_val!r} and max_norm={max_norm!r}, e.g."
+            " `acc.clip_gradients(model, optimizer, max_norm=1.0)`."
+        )
 
 
 def check_dataloaders(dataloaders: tuple) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
@@ -19,30 +20,13 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from minifabric._arguments import (
-    CallWithAccelerator,
-    check_dataloaders,
-    check_init_module_arguments,
-    check_launch_function,
-    check_safetensors_state,
-    check_state,
-    point_scheduler_at,
-    unwrap_state,
-)
+from minifabric import _arguments, fabric_compat
 from minifabric._torch import split_compiled
-from minifabric.callbacks import as_list, call_hook, check_loggers, log_metrics
+from minifabric.callbacks import as_list, call_hook, check_loggers, first_logger, log_metrics
 from minifabric.data import setup_dataloader
-from minifabric.fabric_compat import (
-    attach_lightning_module,
-    present_precision_to_lightning,
-    set_rank_zero,
-    split_plugins,
-    to_device,
-)
 from minifabric.precision import Precision, PrecisionInput
 from minifabric.resolve import AcceleratorStr, StrategyStr, apply_cli_settings, launched_by_cli, resolve
 from minifabric.seed import seed_everything as _seed_everything
-from minifabric.signals import PeerFailed
 from minifabric.strategies.rebind import OrphanWatch, SetupLedger, parameter_names
 from minifabric.strategies.strategy import Strategy
 from minifabric.wrappers import _WrappedDataLoader, _WrappedModule, _WrappedOptimizer
@@ -91,18 +75,16 @@ class Accelerator:
         callbacks: Any = None,
         loggers: Any = None,
     ) -> None:
-        precision, environment = split_plugins(plugins, precision)
+        precision, environment = fabric_compat.split_plugins(plugins, precision)
         self._callbacks = as_list(callbacks, "callbacks")
         self._loggers = as_list(loggers, "loggers")
         check_loggers(self._loggers)
         settings = apply_cli_settings(
-            {
-                "accelerator": accelerator,
-                "strategy": strategy,
-                "devices": devices,
-                "num_nodes": num_nodes,
-                "precision": precision,
-            }
+            accelerator=accelerator,
+            strategy=strategy,
+            devices=devices,
+            num_nodes=num_nodes,
+            precision=precision,
         )
         parts = resolve(**settings, environment=environment)
         self._strategy = parts.strategy
@@ -193,36 +175,32 @@ class Accelerator:
             >>> Accelerator(accelerator="cpu").launch(lambda acc: acc.world_size)
             1
         """
-        check_launch_function(function, args, self._strategy.spawn_only and not launched_by_cli())
+        _arguments.check_launch_function(function, args, self._strategy.spawn_only and not launched_by_cli())
         if self._launched:
             if launched_by_cli():  # `minifabric run` started and joined the processes already
                 return function(self, *args) if function is not None else None
             raise RuntimeError("`acc.launch()` was already called. Call it once, before `acc.setup(...)`.")
-        target = CallWithAccelerator(self, function) if function is not None else None
+        target = _arguments.CallWithAccelerator(self, function) if function is not None else None
         return self._strategy.launcher.launch(self._join, target, *args)
 
     def _join(self) -> None:
         if self._launched:
             return
         self._strategy.setup_environment()
-        set_rank_zero(self.global_rank)
+        fabric_compat.set_rank_zero(self.global_rank)
         self._launched = True
 
     def _validate_launched(self) -> None:
         # Lightning's utilities that take a Fabric (ThroughputMonitor) call this first, then read
         # `strategy.precision` through lightning's precision classes.
         self._ensure_launched()
-        present_precision_to_lightning(self.precision)
+        fabric_compat.present_precision_to_lightning(self.precision)
 
     def _ensure_launched(self) -> None:
         if self._launched:
             return
         if self._strategy.launcher.creates_processes:
-            raise RuntimeError(
-                f"This run needs {self._strategy.num_processes} processes, but none were started. Call"
-                " `acc.launch()` right after creating the Accelerator (or start the script with"
-                f" `minifabric run --devices {self._strategy.num_processes} script.py`)."
-            )
+            raise RuntimeError(_arguments.launch_needed(self._strategy.num_processes))
         self._join()
 
     # ---- models ------------------------------------------------------------------------------
@@ -258,7 +236,7 @@ class Accelerator:
             >>> model.weight.is_meta
             False
         """
-        checking = check_init_module_arguments(empty_init, verify)
+        checking = _arguments.check_init_module_arguments(empty_init, verify)
         self._ensure_launched()
         with self._strategy.module_init_context(empty_init, verify=checking):
             yield
@@ -299,19 +277,16 @@ class Accelerator:
         """
         model = self.setup_module(module)
         if not optimizers:
-            if scheduler is not None:
-                raise ValueError(
-                    "`scheduler=` needs an optimizer: `acc.setup(model, optimizer, scheduler=sched)`."
-                )
+            _arguments.check_scheduler(scheduler)
             self.call("on_after_setup", fabric=self, module=model)
             return model
-        self._ledger.check_owned(optimizers, model.module)
+        self._ledger.check_owned(optimizers, model.module)  # type: ignore[arg-type]
         wrapped = self.setup_optimizers(*optimizers)
         wrapped = list(wrapped) if isinstance(wrapped, (list, tuple)) else [wrapped]
-        attach_lightning_module(model.module, self, self._callbacks, wrapped)
+        fabric_compat.attach_lightning_module(model.module, self, self._callbacks, wrapped)
         self.call("on_after_setup", fabric=self, module=model)  # Fabric's hook, after setup(model, opt)
         if scheduler is not None:
-            point_scheduler_at(scheduler, wrapped[0])
+            _arguments.point_scheduler_at(scheduler, wrapped[0])
             return (model, *wrapped, scheduler)
         return (model, *wrapped)
 
@@ -324,13 +299,7 @@ class Accelerator:
         Returns:
             The set-up model: call it like the original; ``.module`` is the original module.
         """
-        if isinstance(module, _WrappedModule):
-            raise ValueError(
-                f"This {type(module.module).__name__} was already set up: pass the original module, or keep"
-                " using what `acc.setup` returned."
-            )
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"`acc.setup` needs a torch.nn.Module first, got {type(module).__name__}.")
+        _arguments.check_module(module)
         self._ensure_launched()
         compiled, module = module, split_compiled(module)[0]  # the strategy re-applies the compile
         forward_module = self._ledger.forward_module(module)
@@ -341,7 +310,7 @@ class Accelerator:
             with self._orphans.watch(module):
                 forward_module = self._strategy.setup_module(compiled)
             self._ledger.record(names, module, forward_module)
-        attach_lightning_module(module, self, self._callbacks)
+        fabric_compat.attach_lightning_module(module, self, self._callbacks)
         return _WrappedModule(forward_module, module, self._strategy)
 
     def setup_optimizers(self, *optimizers: Optimizer) -> Any:
@@ -354,17 +323,9 @@ class Accelerator:
         Returns:
             One optimizer, or a tuple of them.
         """
-        if not optimizers:
-            raise ValueError("`acc.setup_optimizers()` needs at least one optimizer.")
+        _arguments.check_optimizers(optimizers)
         wrapped = []
         for optimizer in optimizers:
-            if isinstance(optimizer, _WrappedOptimizer):
-                raise ValueError(
-                    f"This {type(optimizer.optimizer).__name__} was already set up; keep using what"
-                    " `acc.setup` returned."
-                )
-            if not isinstance(optimizer, Optimizer):
-                raise TypeError(f"Expected a torch.optim.Optimizer, got {type(optimizer).__name__}.")
             self._ledger.rebind(optimizer)
             wrapped.append(
                 _WrappedOptimizer(self._strategy.setup_optimizer(optimizer), self._strategy, self._callbacks)
@@ -387,7 +348,7 @@ class Accelerator:
         Returns:
             One loader, or a tuple of them.
         """
-        check_dataloaders(dataloaders)
+        _arguments.check_dataloaders(dataloaders)
         self._ensure_launched()
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # set by any seed_everything, as in Fabric
         split = self._strategy.distributed_sampler_kwargs  # the data-parallel ranks
@@ -449,11 +410,7 @@ class Accelerator:
             ValueError: both or neither of ``max_norm`` and ``clip_val`` were given.
             RuntimeError: the total norm is not finite and ``error_if_nonfinite`` is True (on every rank).
         """
-        if (max_norm is None) == (clip_val is None):
-            raise ValueError(
-                f"Pass exactly one of clip_val={clip_val!r} and max_norm={max_norm!r}, e.g."
-                " `acc.clip_gradients(model, optimizer, max_norm=1.0)`."
-            )
+        _arguments.check_clip(clip_val, max_norm)
         forward_module = module._forward_module if isinstance(module, _WrappedModule) else module
         opt = optimizer.optimizer if isinstance(optimizer, _WrappedOptimizer) else optimizer
         if max_norm is not None:
@@ -517,19 +474,25 @@ class Accelerator:
         Returns:
             With ``asynchronous=True``, a handle whose ``.wait()`` blocks until the save is committed.
         """
-        check_state(state, keep_last)
+        _arguments.check_state(state, keep_last)
         if format == "safetensors":
-            module = check_safetensors_state(state, asynchronous)
-            return self._checkpointer.export_safetensors(Path(path), unwrap_state({"m": module})["m"])
+            module = _arguments.check_safetensors_state(state, asynchronous)
+            return self._checkpointer.export_safetensors(
+                Path(path), _arguments.unwrap_state({"m": module})["m"]
+            )
         if format != "minifabric":
             raise ValueError(
                 f'format={format!r} is unknown. Use "minifabric" (a checkpoint) or "safetensors".'
             )
         options = self._strategy.checkpoint_options
         handle = self._checkpointer.save(
-            Path(path), unwrap_state(state), options, asynchronous=asynchronous, keep_last=keep_last
+            Path(path),
+            _arguments.unwrap_state(state),
+            options,
+            asynchronous=asynchronous,
+            keep_last=keep_last,
         )
-        self._strategy.lifecycle.saving(Path(path), handle)  # named in a failure report
+        self._strategy.on_save(Path(path), handle)  # named in a failure report
         return handle
 
     def load(
@@ -556,10 +519,10 @@ class Accelerator:
 
         if state is None:
             state = {}
-        check_state(state)
-        unwrapped = unwrap_state(state)
+        _arguments.check_state(state)
+        unwrapped = _arguments.unwrap_state(state)
         remainder = self._checkpointer.load(Path(path), unwrapped, strict=strict)
-        self._strategy.lifecycle.loaded(Path(path))
+        self._strategy.on_load(Path(path))
         for key, value in unwrapped.items():
             if key in state and not is_stateful(state[key]):
                 state[key] = value
@@ -585,7 +548,7 @@ class Accelerator:
 
         Under FSDP each rank reads only its shard of the safetensors, straight into its parameters.
         """
-        target = unwrap_state({"obj": obj})["obj"]
+        target = _arguments.unwrap_state({"obj": obj})["obj"]
         if not isinstance(target, (nn.Module, Optimizer)):
             raise TypeError(f"`load_raw` loads into a module or optimizer, got {type(obj).__name__}.")
         self._checkpointer.load_raw(Path(path), target, strict=strict, key_map=key_map)
@@ -635,24 +598,14 @@ class Accelerator:
         With ``seed=None`` the seed comes from ``PL_GLOBAL_SEED`` (default 0). ``workers`` (default
         True) seeds dataloader workers too; ``verbose`` is accepted for Fabric scripts.
         """
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise TypeError(f"seed must be an int, got {seed!r}.")
         return _seed_everything(seed, workers=True if workers is None else workers)
 
-    @contextmanager
-    def rank_zero_first(self, local: bool = False) -> Generator[None, None, None]:
-        """Rank 0 (of the node if ``local``) runs the body first, then the others."""
-        rank = self.local_rank if local else self.global_rank
-        if rank > 0 and self._strategy.any_rank(False):
-            raise PeerFailed("rank 0 failed inside `acc.rank_zero_first()`; its traceback is above.")
-        try:
-            yield
-        except BaseException:
-            if rank == 0:
-                self._strategy.any_rank(True)  # release the waiting ranks with the news
-            raise
-        if rank == 0:
-            self._strategy.any_rank(False)
+    def rank_zero_first(self, local: bool = False) -> ContextManager:
+        """Rank 0 (of the node if ``local``) runs the body first, then the others.
+
+        If the body raises on rank 0, the waiting ranks raise ``PeerFailed`` instead of waiting.
+        """
+        return self._strategy.rank_zero_first(local)
 
     # ---- loggers, callbacks ------------------------------------------------------------------
 
@@ -668,12 +621,7 @@ class Accelerator:
         Raises:
             RuntimeError: no logger was passed to the Accelerator.
         """
-        if not self._loggers:
-            raise RuntimeError(
-                'No logger was given: `Accelerator(loggers=CSVLogger("logs"))`'
-                " (from lightning_fabric.loggers import CSVLogger)."
-            )
-        return self._loggers[0]
+        return first_logger(self._loggers)
 
     def log(self, name: str, value: Any, step: int | None = None) -> None:
         """Log one scalar to every logger, from global rank 0 (other ranks do nothing).
@@ -720,4 +668,4 @@ class Accelerator:
 
     def to_device(self, obj: Any) -> Any:
         """Move a module, a tensor or a collection of tensors to ``acc.device``; returns it."""
-        return to_device(obj, self.device)
+        return fabric_compat.to_device(obj, self.device)

@@ -38,6 +38,16 @@ def check_loggers(loggers: list[Any]) -> None:
             )
 
 
+def first_logger(loggers: list[Any]) -> Any:
+    """The first logger (``acc.logger``); raises with the fix when there is none."""
+    if not loggers:
+        raise RuntimeError(
+            'No logger was given: `Accelerator(loggers=CSVLogger("logs"))`'
+            " (from lightning_fabric.loggers import CSVLogger)."
+        )
+    return loggers[0]
+
+
 def _accepted_kwargs(method: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The keyword arguments ``method`` accepts (all of them if it takes ``**kwargs``)."""
     try:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from minifabric._torch import tree_map
+from minifabric.signals import PeerFailed
 
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -28,6 +31,26 @@ def any_rank(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
     tensor = torch.tensor([int(flag)], dtype=torch.int32)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return bool(tensor.item())
+
+
+@contextmanager
+def first_then_others(first: bool, any_rank: Callable[[bool], bool]) -> Iterator[None]:
+    """The body runs on the rank with ``first`` set, then on the others (``rank_zero_first``).
+
+    The others wait in ``any_rank`` (a collective every rank enters twice in all): the first rank
+    enters it once its body is done, saying whether the body raised, so a failure there ends the
+    waiting ranks with :class:`PeerFailed` instead of a hang.
+    """
+    if not first and any_rank(False):
+        raise PeerFailed("rank 0 failed inside `acc.rank_zero_first()`; its traceback is above.")
+    try:
+        yield
+    except BaseException:
+        if first:
+            any_rank(True)  # release the waiting ranks with the news
+        raise
+    if first:
+        any_rank(False)
 
 
 def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:

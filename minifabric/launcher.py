@@ -266,10 +266,9 @@ def die_with_parent() -> None:
 # ---- launch(fn) --------------------------------------------------------------------------------
 
 
-def _spawn_entry(
-    env: dict[str, str], join: Callable[[], None], function: Callable, args: tuple, result_path: str
-) -> None:
+def _spawn_entry(env: dict[str, str], payload: bytes, result_path: str) -> None:
     os.environ.update(env)
+    join, function, args = pickle.loads(payload)
     signals.install(rank=int(env["LOCAL_RANK"]))
     die_with_parent()
     try:
@@ -294,13 +293,17 @@ def _spawn(num_processes: int, main_address: str, join: Callable, function: Call
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
+    # Pickled here, with the plain pickler, so each rank unpickles its own copy of the model and
+    # tensors it is passed (multiprocessing's pickler would put them in memory shared by every
+    # rank, and each rank's optimizer step would update the same weights), as Fabric's launcher does.
+    payload = pickle.dumps((join, function, args))
     with tempfile.TemporaryDirectory(prefix="minifabric-launch-") as tmp:
         result_path = os.path.join(tmp, "result.pkl")
         ranks = {
             rank: _SpawnedRank(
                 context.Process(
                     target=_spawn_entry,
-                    args=(_world_env(num_processes, main_address, rank), join, function, args, result_path),
+                    args=(_world_env(num_processes, main_address, rank), payload, result_path),
                     name=f"minifabric-rank-{rank}",
                 )
             )

@@ -123,7 +123,7 @@ def launched_by_cli() -> bool:
     return ENV_SETTINGS["devices"] in os.environ and "LOCAL_RANK" in os.environ
 
 
-def apply_cli_settings(args: dict[str, Any]) -> dict[str, Any]:
+def apply_cli_settings(**args: Any) -> dict[str, Any]:
     """Fill arguments left at their defaults from ``minifabric run``'s flags; explicit arguments win."""
     out = dict(args)
     for name, var in ENV_SETTINGS.items():

@@ -23,6 +23,8 @@ def seed_everything(seed: int | None = None, workers: bool = False) -> int:
         >>> seed_everything(42)
         42
     """
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise TypeError(f"seed must be an int, got {seed!r}.")
     if seed is None:
         env_seed = os.environ.get("PL_GLOBAL_SEED", "0")
         try:

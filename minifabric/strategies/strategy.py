@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -329,6 +330,11 @@ class Strategy:
         """Whether ``flag`` is True on any rank (collective; a CPU all-reduce whatever the device)."""
         return self.lifecycle.any_rank(flag)
 
+    def rank_zero_first(self, local: bool = False) -> ContextManager:
+        """Rank 0 (of the node if ``local``) runs the body first, then the others."""
+        rank = self.local_rank if local else self.global_rank
+        return collectives.first_then_others(rank == 0, self.any_rank)
+
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Return ``src``'s object on every rank."""
         return collectives.broadcast_object(obj, src)
@@ -351,6 +357,15 @@ class Strategy:
     def checkpoint_options(self) -> CheckpointOptions:
         """How this strategy's checkpoints are written (configuration for the checkpoint service)."""
         return CheckpointOptions(state_dict_type=self.state_dict_type)  # type: ignore[arg-type]
+
+    def on_save(self, path: Path, handle: Any) -> None:
+        """A checkpoint was saved to ``path`` (committed now, or once ``handle`` finishes): the failure
+        report of this rank names the last committed one."""
+        self.lifecycle.saving(path, handle)
+
+    def on_load(self, path: Path) -> None:
+        """The run resumed from the checkpoint at ``path``."""
+        self.lifecycle.loaded(path)
 
     def wrap(self, module: nn.Module) -> nn.Module:
         """Shard ``module`` now (FSDP); other strategies return it unchanged."""
