@@ -1,0 +1,26 @@
+"""Started by ``fabric run`` or ``minifabric run`` with 2 processes: no ``launch()`` call.
+
+    fabric run --accelerator cpu --devices 2 tests/scripts/cli_join.py lightning OUT_DIR
+    minifabric run --accelerator cpu --devices 2 tests/scripts/cli_join.py minifabric OUT_DIR
+
+As under ``fabric run``, the constructor joins the process group, so the script's own
+``torch.distributed`` calls work right after it. Each rank writes ``OUT_DIR/rank-R.json``.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+if sys.argv[1] == "minifabric":
+    from minifabric import Accelerator as Fabric
+else:
+    from lightning_fabric import Fabric
+
+fabric = Fabric(accelerator="cpu", devices=2)
+value = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(value)
+result = {"initialized": dist.is_initialized(), "world": fabric.world_size, "sum": value.item()}
+Path(sys.argv[2], f"rank-{fabric.global_rank}.json").write_text(json.dumps(result))
