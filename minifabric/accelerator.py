@@ -176,10 +176,10 @@ class Accelerator:
             1
         """
         _arguments.check_launch_function(function, args, self._strategy.spawn_only and not launched_by_cli())
-        if self._launched:
-            if launched_by_cli():  # `minifabric run` started and joined the processes already
+        if self._launched:  # joined already (a second call, or under `minifabric run`)
+            if function is None or launched_by_cli():  # as in Fabric, launching again is a no-op
                 return function(self, *args) if function is not None else None
-            raise RuntimeError("`acc.launch()` was already called. Call it once, before `acc.setup(...)`.")
+            raise RuntimeError("`acc.launch(fn)` after `acc.launch()`: the processes exist, call `fn(acc)`.")
         target = _arguments.CallWithAccelerator(self, function) if function is not None else None
         return self._strategy.launcher.launch(self._join, target, *args)
 

@@ -182,9 +182,10 @@ def test_setup_without_launch_on_one_process_joins_by_itself():
     assert model(torch.randn(1, 2)).shape == (1, 2)
 
 
-def test_launch_twice_raises(acc):
-    with pytest.raises(RuntimeError, match="already called"):
-        acc.launch()
+def test_launch_twice_is_a_no_op_as_in_fabric_but_not_with_a_function(acc):
+    assert acc.launch() is None
+    with pytest.raises(RuntimeError, match=r"after `acc.launch\(\)`"):
+        acc.launch(len)
 
 
 def test_launch_with_a_non_callable_raises():

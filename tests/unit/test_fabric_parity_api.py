@@ -179,6 +179,13 @@ def test_all_gather_on_one_process_returns_fabrics_shapes():
     assert results["minifabric"] == results["lightning"] == ((3, 2), ())
 
 
+def test_launching_again_is_a_no_op():
+    for cls in LIBRARIES.values():
+        acc = cls(accelerator="cpu", devices=1)
+        acc.launch()
+        assert acc.launch() is None
+
+
 # ---- 14, 15: setting things up again ------------------------------------------------------------
 
 
