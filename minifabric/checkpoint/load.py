@@ -86,16 +86,27 @@ def _resolver(obj: Any) -> Resolver:
 
 
 def _views(state: dict[str, Any]) -> dict[str, set[str]]:
-    """Per module entry, the keys that ``load_state_dict`` copies out: its parameters and buffers.
+    """Per module entry, the keys that ``load_state_dict`` surely copies out (and may read as file views).
 
-    Not its extra state, which ``set_extra_state`` may keep as given.
+    A parameter or buffer qualifies when the module owning it loads with ``nn.Module``'s own
+    ``_load_from_state_dict`` (identified by its code), which copies into the live tensor. A module
+    that overrides it may keep the tensor it is given (a cache, a buffer of varying length), which
+    would keep the shard file mapped after the load: its tensors are read into fresh memory. Extra
+    state, which ``set_extra_state`` may keep as given, never qualifies.
     """
+    copies = nn.Module._load_from_state_dict.__code__
     out = {}
     for key, module in state.items():
-        if isinstance(module, nn.Module):
-            params = module.named_parameters(remove_duplicate=False)
-            buffers = module.named_buffers(remove_duplicate=False)
-            out[key] = {name for name, _ in params} | {name for name, _ in buffers}
+        if not isinstance(module, nn.Module):
+            continue
+        names: set[str] = set()
+        for prefix, sub in module.named_modules(remove_duplicate=False):
+            loader = getattr(type(sub)._load_from_state_dict, "__code__", None)
+            if loader is not copies:
+                continue
+            owned = [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]
+            names |= {f"{prefix}.{name}" if prefix else name for name, _ in owned}
+        out[key] = names
     return out
 
 

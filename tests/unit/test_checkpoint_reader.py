@@ -257,3 +257,29 @@ def test_layouts_outside_their_storage_are_refused(layout: tuple) -> None:
         archive.check_layout(size, stride, offset, 4)
     archive.check_layout((0,), (1,), 4, 4)  # empty: nothing to read
     archive.check_layout((2, 2), (2, 1), 0, 4)
+
+
+class _KeepsItsBuffer(nn.Module):
+    """A cache whose length varies: loading keeps the tensor it is given instead of copying into it."""
+
+    def __init__(self, length: int = 2) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+        self.register_buffer("cache", torch.zeros(length, 8))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.cache = state_dict[prefix + "cache"]  # kept as given (its length may differ from the live one)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_a_module_that_keeps_the_loaded_tensor_keeps_no_file_mapped(tmp_path: Path) -> None:
+    acc = _single(tmp_path)
+    model = _KeepsItsBuffer(length=2)
+    model.cache += 3
+    acc.save(tmp_path / "ckpt", {"model": model})
+    fresh = _KeepsItsBuffer(length=2)
+    acc.load(tmp_path / "ckpt", {"model": fresh})
+    gc.collect()
+    assert torch.equal(fresh.cache, model.cache) and torch.equal(fresh.layer.weight, model.layer.weight)
+    assert not _mapped_files(tmp_path)
