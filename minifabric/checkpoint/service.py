@@ -9,7 +9,8 @@ A save is ``saving.prepare -> collect -> write -> commit`` (``save.py``), a load
 a background thread then takes an agreed copy of every tensor to CPU (the next
 ``optimizer.step()``, and the next forward of a module with buffers, wait for that copy) and
 writes and commits the copy over the checkpoint's own gloo group, while training goes on. A later
-save or load waits for that write first, and so does the end of the process (``wait_at_exit``).
+save or load waits for that write first; at exit a failure nobody saw is printed on every rank
+and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 from torch import nn
 
+from minifabric import process, signals
 from minifabric._torch import hold_state_changes
 from minifabric.checkpoint import load as loading
 from minifabric.checkpoint import raw
@@ -43,6 +45,7 @@ class SaveHandle:
     def __init__(self, path: Path, write: Callable[[], None] | None = None) -> None:
         self.path = path
         self.error: BaseException | None = None
+        self.reported = False  # whether wait() raised the failure to someone
         self._thread: threading.Thread | None = None
         if write is not None:
             self._thread = threading.Thread(
@@ -64,6 +67,8 @@ class SaveHandle:
         """Block until the checkpoint is committed; raise :class:`CheckpointError` if writing it failed."""
         if self._thread is not None:
             self._thread.join()
+        if self.error is not None:
+            self.reported = True
         if isinstance(self.error, CheckpointError):
             raise self.error
         if self.error is not None:
@@ -87,6 +92,7 @@ class Checkpointer:
         self._buffers: dict[str, Any] = {}
         # hooks that hold optimizer steps and buffer-updating forwards until an async save has copied
         self._hooks: list[Any] = []
+        self._exit_hook: Callable[[], None] | None = None  # cancels the exit hook
 
     @property
     def comm(self) -> Comm:
@@ -139,7 +145,25 @@ class Checkpointer:
             saving.commit(job, staged)
 
         self._pending = SaveHandle(path, in_background)
+        if self._exit_hook is None:
+            self._exit_hook = process.at_exit(self._report_at_exit)
         return self._pending
+
+    def _report_at_exit(self) -> None:
+        """At interpreter exit (the save thread has ended): a failed background save nobody saw fails the process.
+
+        Every rank prints the failure in one line (the agreement made it the same everywhere) and
+        exits with status 1, after the other exit handlers ran.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None or pending.reported:
+            return
+        try:
+            pending.wait()
+        except CheckpointError as err:
+            rank = self.comm.rank
+            process.write_stderr(f"[minifabric] rank {rank}: the asynchronous save did not complete: {err}\n")
+            signals.leave(1)
 
     def load(self, path: Path, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
         """Restore ``state`` in place from ``path``; return the entries it did not ask for."""
