@@ -44,6 +44,7 @@ __all__ = [
     "seeded_op_probe",
     "split_compiled",
     "storage_key",
+    "swap_module_tensors",
     "swapping_module_params",
     "torch_init_call",
     "track_scheduler_steps",
@@ -306,6 +307,17 @@ def swapping_module_params() -> Iterator[None]:
         yield
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
+
+
+def swap_module_tensors(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Replace each parameter's and buffer's contents by ``fn(tensor)``, keeping the ``Parameter`` objects.
+
+    ``nn.Module._apply`` under :func:`swapping_module_params`: what ``to_empty`` does, with any
+    function (one that returns its argument leaves that tensor as it is). FSDP2 modules re-point
+    their sharded parameters at the new storage.
+    """
+    with swapping_module_params():
+        module._apply(fn)
 
 
 class _SeededOpProbe:

@@ -73,6 +73,7 @@ def meta_init_context(verify: bool = False, keep: tuple[int, int] | None = None)
             with noting_constructions() if verify else nullcontext():
                 yield
     finally:
+        recorder.release()
         _RECORDER.reset(token)
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from minifabric._torch import swapping_module_params
+from minifabric._torch import swap_module_tensors
 from minifabric.init.recipe import Handle, Real, Ref, forget_records, handle_of, module_record
 from minifabric.init.replay import apply_chain, evaluate, resolver
 
@@ -149,30 +149,50 @@ def materialize(
     if not places:
         return
 
+    # A kept part that is exactly this rank's shard becomes the shard's storage: no second copy.
+    shards = {} if on_value is not None else _kept_shards(places)
+
     def allocate(t: torch.Tensor) -> torch.Tensor:
         if not (t.is_meta and _is_dtensor(t)):
             return t
-        return torch.empty_like(t, device=device if isinstance(t, nn.Parameter) else buffer_device)
+        target = device if isinstance(t, nn.Parameter) else buffer_device
+        if id(t) in shards:
+            from torch.distributed.tensor import DTensor
+
+            local = shards[id(t)].to(device=target, dtype=t.dtype)
+            placed: Any = t
+            return DTensor.from_local(
+                local,
+                placed.device_mesh,
+                placed.placements,
+                run_check=False,
+                shape=t.shape,
+                stride=t.stride(),
+            )
+        return torch.empty_like(t, device=target)
 
     forget_records(module)  # the registry's weak references would stop the swap
     if any(_is_dtensor(t) and t.is_meta for t in (*module.parameters(), *module.buffers())):
-        with swapping_module_params():  # DTensors: FSDP2 re-points its shards at the new storage
-            module._apply(allocate)
+        swap_module_tensors(module, allocate)  # DTensors: FSDP2 re-points its shards at the new storage
     names = _qualified_names(module) if on_value is not None else {}
-    replaced: dict[int, torch.Tensor | None] = {}
+    replaced: dict[int, torch.Tensor | None] = {id(t): None for t in _params_by_id(places) if id(t) in shards}
     with torch.no_grad():
         for sub, name, is_param, handle in places:
             tensors: Any = sub._parameters if is_param else sub._buffers
             old = tensors[name]
             if id(old) not in replaced:  # tied weights: one parameter in several places
                 target = device if is_param else buffer_device
-                if on_value is not None or not _place_kept(old, handle, target, replaced):
+                if on_value is not None or not _place_whole_kept(old, handle, target, replaced):
                     full = _value(handle)
                     if on_value is not None:
                         on_value(names.get((id(sub), name), name), full)
                     replaced[id(old)] = _place(old, full, target)
             if replaced[id(old)] is not None:
                 tensors[name] = replaced[id(old)]
+
+
+def _params_by_id(places: list[Place]) -> list[Any]:
+    return [(sub._parameters if is_param else sub._buffers)[name] for sub, name, is_param, _ in places]
 
 
 def _place(old: torch.Tensor, full: torch.Tensor, device: Any) -> torch.Tensor | None:
@@ -184,37 +204,47 @@ def _place(old: torch.Tensor, full: torch.Tensor, device: Any) -> torch.Tensor |
     return type(old)(value, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else value
 
 
-def _place_kept(old: Any, handle: Handle, device: Any, replaced: dict) -> bool:
-    """Use the part of the value kept at construction, if it is exactly what this rank holds.
+def _kept_shards(places: list[Place]) -> dict[int, torch.Tensor]:
+    """id of a meta DTensor -> the part of its value kept at construction, where that is its shard.
 
-    A plain tensor needs the whole value (kept as part ``(1, 0)``); a DTensor needs chunk ``index``
-    of ``parts`` along dim 0, which it holds only under one ``Shard(0)`` over a mesh of ``parts``
-    ranks where it is rank ``index``. Anything else is replayed.
+    A DTensor holds chunk ``index`` of ``parts`` along dim 0 only under one ``Shard(0)`` over a
+    mesh of ``parts`` ranks where it is rank ``index``; anything else is replayed. A kept part is
+    used once (the base forgets it), so two models never share storage.
     """
+    out: dict[int, torch.Tensor] = {}
+    for sub, name, is_param, handle in places:
+        old: Any = (sub._parameters if is_param else sub._buffers)[name]
+        kept = handle.base.kept
+        if kept is None or handle.chain or not _is_dtensor(old) or id(old) in out:
+            continue
+        from torch.distributed.tensor import Shard
+
+        (parts, index), part = kept
+        mesh = old.device_mesh
+        if (
+            mesh.ndim == 1
+            and tuple(old.placements) == (Shard(0),)
+            and (mesh.size(), mesh.get_local_rank()) == (parts, index)
+            and tuple(old._local_tensor.shape) == tuple(part.shape)
+        ):
+            out[id(old)] = part
+            handle.base.kept = None
+    return out
+
+
+def _place_whole_kept(old: Any, handle: Handle, device: Any, replaced: dict) -> bool:
+    """A plain tensor whose whole value was kept at construction (part ``(1, 0)``): use it, no replay."""
     kept = handle.base.kept
-    if kept is None or handle.chain:
+    if kept is None or handle.chain or _is_dtensor(old):
         return False
     (parts, index), part = kept
-    if not _is_dtensor(old):
-        if (parts, index) != (1, 0) or part.shape != old.shape:
-            return False
-        value = part.to(device=device, dtype=old.dtype)
-        replaced[id(old)] = (
-            type(old)(value, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else value
-        )
-        return True
-    from torch.distributed.tensor import Shard
-
-    mesh, local = old.device_mesh, old.to_local()
-    if (
-        mesh.ndim != 1
-        or tuple(old.placements) != (Shard(0),)
-        or (mesh.size(), mesh.get_local_rank()) != (parts, index)
-        or local.shape != part.shape
-    ):
+    if (parts, index) != (1, 0) or part.shape != old.shape:
         return False
-    local.copy_(part)
-    replaced[id(old)] = None
+    handle.base.kept = None
+    value = part.to(device=device, dtype=old.dtype)
+    replaced[id(old)] = (
+        type(old)(value, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else value
+    )
     return True
 
 

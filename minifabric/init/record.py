@@ -102,6 +102,7 @@ class Recorder(TorchFunctionMode):
     def __init__(self, keep: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.keep = keep
+        self._scratch_bytes: torch.Tensor | None = None  # reused: page-faulted once, not per parameter
         self._alive: list[torch.Tensor] = []  # tracked meta tensors: their storages are never reused
         self._by_storage: dict[int, list[tuple[torch.Tensor, Handle]]] = {}
         self.paused = 0
@@ -256,7 +257,7 @@ class Recorder(TorchFunctionMode):
         if op.target is not None:
             base = op.target.base
             stride = base.stride or torch.empty(base.shape, device="meta").stride()
-            scratch = torch.empty_strided(base.shape, stride, dtype=base.dtype)
+            scratch = self._scratch(base.shape, stride, base.dtype)
             scratch = apply_chain(scratch, op.target.chain, resolve)
         call(op, scratch, resolve, dict(gens))
         if not torch.equal(before, torch.get_rng_state()):
@@ -265,6 +266,19 @@ class Recorder(TorchFunctionMode):
             self._keep(op.target.base, scratch)
         if all(torch.equal(op.generators[k], g.get_state()) for k, g in gens.items()):
             op.generators = {}
+
+    def _scratch(self, shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized tensor of ``shape`` and ``stride`` in memory reused from call to call."""
+        size = 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) if all(shape) else 0
+        nbytes = size * torch.empty((), dtype=dtype).element_size()
+        if self._scratch_bytes is None or self._scratch_bytes.numel() < nbytes:
+            self._scratch_bytes = None
+            self._scratch_bytes = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        return self._scratch_bytes[:nbytes].view(dtype).as_strided(shape, stride)
+
+    def release(self) -> None:
+        """Free the scratch memory (at the end of the context)."""
+        self._scratch_bytes = None
 
     def _keep(self, base: Base, value: Any) -> None:
         """Keep this rank's part of the value the first write of an uninitialized base computed.
