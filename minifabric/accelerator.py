@@ -450,6 +450,7 @@ class Accelerator:
         self,
         path: str | os.PathLike,
         state: dict[str, Any],
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
         *,
         asynchronous: bool = False,
         format: Literal["minifabric", "safetensors"] = "minifabric",
@@ -464,6 +465,8 @@ class Accelerator:
         Args:
             path: a file (one-file checkpoints) or a folder (sharded, the default under FSDP).
             state: names to modules, optimizers, objects with ``state_dict()``, tensors and plain values.
+            filter: as in Lightning Fabric: entry name -> ``(key, value) -> bool``; only the items of
+                that entry's state dict for which it returns True are saved.
             asynchronous: write in the background.
             keep_last: once this checkpoint is committed, keep only the K newest of its series (siblings
                 named alike but for their digits, e.g. ``step-000100``); see ``latest_checkpoint``.
@@ -491,12 +494,18 @@ class Accelerator:
             options,
             asynchronous=asynchronous,
             keep_last=keep_last,
+            filter=filter,
         )
         self._strategy.on_save(Path(path), handle)  # named in a failure report
         return handle
 
     def load(
-        self, path: str | os.PathLike, state: dict[str, Any] | None = None, strict: bool = True
+        self,
+        path: str | os.PathLike,
+        state: dict[str, Any] | None = None,
+        strict: bool = True,
+        *,
+        weights_only: bool | None = None,
     ) -> dict[str, Any]:
         """Restore ``state`` in place from the checkpoint at ``path``; return what ``state`` did not ask for.
 
@@ -507,6 +516,8 @@ class Accelerator:
             path: a checkpoint written by ``save`` (any world size, sharded or one file).
             state: what to restore, keyed as when saving.
             strict: raise on missing or unexpected keys (``False``: warn and load what matches).
+            weights_only: ``False`` lets a one-file checkpoint unpickle arbitrary classes, which runs
+                code from the file: only for files you trust. ``None`` (default) and ``True`` never do.
 
         Returns:
             The checkpoint's entries that ``state`` did not ask for.
@@ -521,7 +532,7 @@ class Accelerator:
             state = {}
         _arguments.check_state(state)
         unwrapped = _arguments.unwrap_state(state)
-        remainder = self._checkpointer.load(Path(path), unwrapped, strict=strict)
+        remainder = self._checkpointer.load(Path(path), unwrapped, strict=strict, weights_only=weights_only)
         self._strategy.on_load(Path(path))
         for key, value in unwrapped.items():
             if key in state and not is_stateful(state[key]):
@@ -535,6 +546,7 @@ class Accelerator:
         strict: bool = True,
         *,
         key_map: KeyMap | None = None,
+        weights_only: bool | None = None,
     ) -> None:
         """Load a plain ``torch.save(model.state_dict())`` file, a consolidated checkpoint, or Hugging Face
         safetensors (a ``.safetensors`` file or a ``save_pretrained`` folder) into ``obj``.
@@ -545,13 +557,17 @@ class Accelerator:
             strict: raise on missing or unexpected keys.
             key_map: renames the safetensors' tensors to the model's names: a dict
                 ``{"file.name": "model.name"}`` (other names unchanged) or a function (None skips a tensor).
+            weights_only: ``False`` lets a ``torch.save`` file unpickle arbitrary classes (runs code from
+                the file: only for files you trust); ``None`` (default) and ``True`` never do.
 
         Under FSDP each rank reads only its shard of the safetensors, straight into its parameters.
         """
         target = _arguments.unwrap_state({"obj": obj})["obj"]
         if not isinstance(target, (nn.Module, Optimizer)):
             raise TypeError(f"`load_raw` loads into a module or optimizer, got {type(obj).__name__}.")
-        self._checkpointer.load_raw(Path(path), target, strict=strict, key_map=key_map)
+        self._checkpointer.load_raw(
+            Path(path), target, strict=strict, key_map=key_map, weights_only=weights_only
+        )
 
     # ---- collectives and utilities -----------------------------------------------------------
 

@@ -1,5 +1,8 @@
 """``minifabric consolidate CKPT_DIR OUT_FILE``: merge a sharded checkpoint into one file.
 
+Every tensor the checkpoint holds is read, wherever it sits in the state: module and optimizer
+entries, and the DTensors of plain values (``acc.save(path, model.state_dict())`` under FSDP).
+
 The output is a one-file minifabric checkpoint of full CPU tensors: ``torch.load(weights_only=True)``
 reads it, ``acc.load`` restores it on any strategy and ``acc.load_raw(path, model)`` loads its model
 entry into a plain module. It runs in one process, without a process group.
@@ -15,7 +18,7 @@ import torch
 from minifabric.checkpoint import durable
 from minifabric.checkpoint.errors import CheckpointError
 from minifabric.checkpoint.format import FORMAT_KEY
-from minifabric.checkpoint.read import open_checkpoint, read_entries
+from minifabric.checkpoint.read import has_refs, open_checkpoint, read_entries
 from minifabric.checkpoint.save import writable_file_error
 
 
@@ -39,12 +42,13 @@ def consolidate(checkpoint: str | os.PathLike, output: str | os.PathLike) -> Pat
     error = writable_file_error(dst)
     if error:
         raise CheckpointError(error)
-    kinds = opened.meta.get("kinds", {})
     no_layout = lambda path: None  # noqa: E731  (plain full tensors, no process group)
-    wanted = {
-        k: (tree, no_layout) for k, tree in opened.tree.items() if kinds.get(k) in ("module", "optimizer")
-    }
+    wanted = {k: (tree, no_layout) for k, tree in opened.tree.items() if has_refs(tree)}
     state = {**opened.tree, **read_entries(opened, wanted)}
+    if has_refs(state):  # every reference was read above; a leftover is a bug, never written
+        raise CheckpointError(
+            f"Consolidating {str(src)!r} left tensor references unread; nothing was written."
+        )
     meta = {**opened.meta, "format": "full"}
     dst.parent.mkdir(parents=True, exist_ok=True)
     with durable.replacing(dst) as f:

@@ -33,8 +33,13 @@ def is_fabric_folder(path: Path) -> bool:
 
 
 def is_fabric_file(data: Any) -> bool:
-    """Whether a loaded one-file checkpoint is Fabric's: a dict holding at least one state dict."""
-    return isinstance(data, dict) and any(isinstance(v, dict) for v in data.values())
+    """Whether a loaded one-file checkpoint is Fabric's: a dict of named entries (state dicts or plain values).
+
+    A dict holding only tensors is a plain ``torch.save(model.state_dict())`` file instead (``load_raw``).
+    """
+    if not isinstance(data, dict) or not data or not all(isinstance(k, str) for k in data):
+        return False
+    return not all(isinstance(v, torch.Tensor) for v in data.values())
 
 
 def _kind(value: Any) -> str | None:

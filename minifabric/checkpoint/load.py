@@ -18,9 +18,9 @@ from torch.optim import Optimizer
 
 from minifabric.checkpoint import rng, validate
 from minifabric.checkpoint.comm import Comm
-from minifabric.checkpoint.format import is_ref, is_stateful
-from minifabric.checkpoint.read import Opened, Resolver, open_checkpoint, read_entries
-from minifabric.checkpoint.tensors import equal, map_tree, place
+from minifabric.checkpoint.format import is_stateful
+from minifabric.checkpoint.read import Opened, Resolver, has_refs, open_checkpoint, read_entries
+from minifabric.checkpoint.tensors import equal, place
 
 
 def load(
@@ -60,7 +60,7 @@ def _wanted(opened: Opened, plan: validate.LoadPlan, state: dict[str, Any], comm
     spread = comm.mesh() if opened.sharded and comm.distributed else None
     wanted: dict[str, Any] = {key: (tree, _resolver(state[key])) for key, tree in plan.trees.items()}
     for key, tree in opened.tree.items():
-        if key in wanted or not (opened.kinds.get(key) in ("module", "optimizer") or _has_refs(tree)):
+        if key in wanted or not (opened.kinds.get(key) in ("module", "optimizer") or has_refs(tree)):
             continue
         wanted[key] = (
             tree,
@@ -108,12 +108,6 @@ def _views(state: dict[str, Any]) -> dict[str, set[str]]:
             names |= {f"{prefix}.{name}" if prefix else name for name, _ in owned}
         out[key] = names
     return out
-
-
-def _has_refs(tree: Any) -> bool:
-    found: list[bool] = []
-    map_tree(tree, lambda path, leaf: found.append(is_ref(leaf)))
-    return any(found)
 
 
 def apply(

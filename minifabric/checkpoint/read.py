@@ -128,9 +128,22 @@ def read_entries(
         return map_tree(tree, leaf)
 
     out = {name: entry(name, tree, resolve) for name, (tree, resolve) in wanted.items()}
+    if targets and not opened.sharded:
+        raise CheckpointError(
+            f"{str(opened.path)!r} holds references to tensors of a sharded checkpoint ({sorted(targets)[:3]}),"
+            " not the tensors: it is no complete checkpoint. Consolidate the sharded checkpoint again with"
+            " `minifabric consolidate CKPT_DIR OUT_FILE`."
+        )
     if opened.sharded:
         read_tensors(opened.path, targets, views=viewable)
     return map_tree(out, lambda path, value: targets[value[TENSOR_REF]] if is_ref(value) else value)
+
+
+def has_refs(tree: Any) -> bool:
+    """Whether ``tree`` holds a tensor reference anywhere."""
+    found: list[bool] = []
+    map_tree(tree, lambda path, leaf: found.append(is_ref(leaf)))
+    return any(found)
 
 
 class _SafePlanner(DefaultLoadPlanner):

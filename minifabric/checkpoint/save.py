@@ -19,9 +19,9 @@ from __future__ import annotations
 import io
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,35 @@ from minifabric.checkpoint.tensors import gather_full, split
 from minifabric.checkpoint.ties import tied_groups
 from minifabric.checkpoint.writer import ShardWriter
 
+Filter = dict[str, Callable[[str, Any], bool]]
+
+
+def check_filter(filter: Filter | None, state: dict[str, Any]) -> None:
+    """Validate ``save(..., filter=)`` as Lightning Fabric does, before anything happens.
+
+    Raises:
+        TypeError: ``filter`` is not a dict, or one of its values is not callable.
+        ValueError: a key of ``filter`` is not a key of ``state``.
+    """
+    if filter is None:
+        return
+    if not isinstance(filter, dict):
+        raise TypeError(
+            f"filter= must be a dict of entry names to callables `(key, value) -> bool`, got {filter!r}."
+        )
+    if unknown := set(filter) - set(state):
+        raise ValueError(f"The filter keys {unknown} are not present in the state keys {set(state)}.")
+    for key, fn in filter.items():
+        if not callable(fn):
+            raise TypeError(f"filter[{key!r}] must be a callable `(key, value) -> bool`, got {fn!r}.")
+
+
+def _filtered(key: str, tree: Any, filter: Filter) -> Any:
+    """The items of state dict ``tree`` that ``filter[key]`` keeps (all when it has no filter)."""
+    if key not in filter or not isinstance(tree, dict):
+        return tree
+    return {k: v for k, v in tree.items() if filter[key](k, v)}
+
 
 @dataclass
 class Job:
@@ -50,6 +79,7 @@ class Job:
     form: str
     kinds: dict[str, str]
     keep_last: int | None = None
+    filter: Filter = field(default_factory=dict)
     staging: commits.Staging | None = None
     work: Path | None = None  # the staging folder, on every rank (sharded)
 
@@ -76,18 +106,22 @@ class Payload:
 
 
 def prepare(
-    comm: Comm, path: Path, state: dict[str, Any], form: str, keep_last: int | None
+    comm: Comm, path: Path, state: dict[str, Any], form: str, keep_last: int | None, filter: Filter
 ) -> tuple[Job, Any]:
     """Stage 1: check the target and the values, take the stateful states and the RNG (no collectives).
 
     Returns the job and this rank's record (``{"rng": ..., "stateful": {...}}``).
     """
-    job = Job(comm, path, form, kinds(state), keep_last)
+    job = Job(comm, path, form, kinds(state), keep_last, filter)
     record = None
     with job.agreed():
         if comm.is_zero:
             job.staging = _prepare_target(path, form)
-        stateful = {k: state[k].state_dict() for k, kind in job.kinds.items() if kind == "stateful"}
+        stateful = {
+            k: _filtered(k, state[k].state_dict(), filter)
+            for k, kind in job.kinds.items()
+            if kind == "stateful"
+        }
         values = {f"state[{k!r}]": v for k, v in state.items() if job.kinds[k] == "value"}
         values.update({f"state[{k!r}].state_dict()": v for k, v in stateful.items()})
         refuse_unloadable(values)
@@ -127,7 +161,7 @@ def collect(job: Job, state: dict[str, Any], record: Any) -> Payload:
     payload = Payload(None, None)
     with job.agreed():
         full = job.form == "full"
-        collected = _state_dicts(state, record["stateful"], full, comm.rank, comm.world_size)
+        collected = _state_dicts(state, record["stateful"], full, comm.rank, comm.world_size, job.filter)
         meta = {
             "version": FORMAT_VERSION,
             "format": job.form,
@@ -181,7 +215,7 @@ def commit(job: Job, payload: Payload) -> None:
 
 
 def _state_dicts(
-    state: dict[str, Any], stateful: dict[str, Any], full: bool, rank: int, world_size: int
+    state: dict[str, Any], stateful: dict[str, Any], full: bool, rank: int, world_size: int, filter: Filter
 ) -> dict[str, Any]:
     """The saveable form of ``state``: module and optimizer state dicts, values as they are.
 
@@ -202,7 +236,9 @@ def _state_dicts(
         elif key in stateful:
             tree = stateful[key]
         else:
-            tree = value
+            tree = _filtered(key, value, filter)
+        if isinstance(value, (nn.Module, Optimizer)):
+            tree = _filtered(key, tree, filter)
         out[key] = gather_full(tree, keep=rank == 0) if full and key not in stateful else tree
     return out
 

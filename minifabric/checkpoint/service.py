@@ -120,13 +120,19 @@ class Checkpointer:
         *,
         asynchronous: bool = False,
         keep_last: int | None = None,
+        filter: saving.Filter | None = None,
     ) -> SaveHandle | None:
-        """Write ``state`` to ``path`` (collective: every rank calls it); then apply ``keep_last`` retention."""
+        """Write ``state`` to ``path`` (collective: every rank calls it); then apply ``keep_last`` retention.
+
+        ``filter`` maps entries of ``state`` to ``(key, value) -> bool``: only the items of that
+        entry's state dict for which it returns True are saved (Lightning Fabric's ``filter``).
+        """
+        saving.check_filter(filter, state)
         self.wait()
         form = options.state_dict_type
         if form not in ("full", "sharded"):
             raise ValueError(f'state_dict_type={form!r} is not supported. Use "sharded" or "full".')
-        job, record = saving.prepare(self.comm, path, state, form, keep_last)
+        job, record = saving.prepare(self.comm, path, state, form, keep_last, filter or {})
         payload = saving.collect(job, state, record)
         if not asynchronous:
             saving.write(job, payload)
@@ -165,12 +171,22 @@ class Checkpointer:
             process.write_stderr(f"[minifabric] rank {rank}: the asynchronous save did not complete: {err}\n")
             signals.leave(1)
 
-    def load(self, path: Path, state: dict[str, Any], strict: bool = True) -> dict[str, Any]:
-        """Restore ``state`` in place from ``path``; return the entries it did not ask for."""
-        self.wait()
-        return loading.load(path, state, strict=strict, comm=self.comm)
+    def load(
+        self, path: Path, state: dict[str, Any], strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Restore ``state`` in place from ``path``; return the entries it did not ask for.
 
-    def load_raw(self, path: Path, obj: Any, strict: bool = True, key_map: Any = None) -> None:
+        ``weights_only=False`` lets a one-file checkpoint unpickle arbitrary classes, which runs
+        code from the file: only for files you trust (None and True: never).
+        """
+        self.wait()
+        return loading.load(
+            path, state, strict=strict, comm=self.comm, weights_only=weights_only is not False
+        )
+
+    def load_raw(
+        self, path: Path, obj: Any, strict: bool = True, key_map: Any = None, weights_only: bool | None = None
+    ) -> None:
         """Load a plain state-dict file, a consolidated checkpoint or Hugging Face safetensors into ``obj``."""
         from minifabric.checkpoint import hf
 
@@ -184,7 +200,7 @@ class Checkpointer:
             raise ValueError(
                 "key_map= applies to safetensors weights only; rename a state dict's keys yourself."
             )
-        raw.load_raw(path, obj, strict=strict)
+        raw.load_raw(path, obj, strict=strict, weights_only=weights_only is not False)
 
     def export_safetensors(self, path: Path, module: nn.Module) -> None:
         """Write ``module``'s weights as Hugging Face safetensors at ``path`` (every rank calls, rank 0 writes)."""

@@ -77,3 +77,17 @@ def test_saving_model_state_dict_under_fsdp_saves_every_shard(tmp_path: Path) ->
         assert_same(loaded, expected, name)  # every row, not rank 0's half
         plain = Net()
         plain.load_state_dict(loaded)
+
+
+def test_consolidating_a_saved_state_dict_writes_every_tensor(tmp_path: Path) -> None:
+    """``acc.save(path, model.state_dict())`` under FSDP (Fabric's idiom) consolidates into real tensors."""
+    from minifabric import Accelerator
+    from minifabric.checkpoint.consolidate import consolidate
+
+    expected = run_ranks(_save_state_dict, 2, str(tmp_path))[0]
+    consolidate(tmp_path / "sharded", tmp_path / "consolidated.pt")
+    data = torch.load(tmp_path / "consolidated.pt", weights_only=True)
+    assert all(isinstance(v, torch.Tensor) for v in data["state"].values()), data["state"]
+    assert_same(data["state"], expected, "consolidated file")
+    loaded = Accelerator(accelerator="cpu", devices=1).load(tmp_path / "consolidated.pt")
+    assert_same(loaded, expected, "consolidated, loaded")
