@@ -322,7 +322,7 @@ class Strategy:
     # ---- collectives -------------------------------------------------------------------------
 
     def barrier(self) -> None:
-        """Wait for every rank."""
+        """Wait for every rank (the default process group)."""
         if dist.is_initialized():
             dist.barrier()
 
@@ -336,15 +336,19 @@ class Strategy:
         return collectives.first_then_others(rank == 0, self.any_rank)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Return ``src``'s object on every rank."""
+        """Return ``src``'s object on every rank (all ranks of the run: the default process group)."""
         return collectives.broadcast_object(obj, src)
 
     def all_gather(self, data: Any) -> Any:
-        """Stack every rank's tensors along a new first dimension."""
+        """Stack every rank's tensors along a new first dimension (all ranks: the default process group)."""
         return collectives.all_gather(data, self.root_device)
 
     def all_reduce(self, data: Any, reduce_op: str = "mean") -> Any:
-        """Reduce tensors (or numbers) over all ranks."""
+        """Reduce tensors (or numbers) over all ranks of the run (the default process group).
+
+        Under tensor parallelism too: the ranks of one tensor-parallel group hold the same batch, so
+        a mean over all ranks equals the mean over the data-parallel groups.
+        """
         return collectives.all_reduce(data, reduce_op, self.root_device)
 
     # ---- checkpoints -------------------------------------------------------------------------

@@ -4,8 +4,9 @@ One spawned 4-rank job runs every check (the machine is small): training at (dp,
 (2, 2), (1, 4) and HSDP at (replicas, shards) = (1, 4), (2, 2), (4, 1) with meta init, gradient
 accumulation and clipping; placements of parameters, gradients and optimizer state; the batches of
 `setup_dataloaders`; the gradient reductions under `no_backward_sync`; bad input; a checkpoint saved
-at (2, 2) loaded at (4, 1). A 2-rank job loads it at (1, 2), and the test process loads that into
-one process and a plain module.
+at (2, 2) loaded at (4, 1). A 2-rank job loads it at (1, 2) and into plain FSDP, and checks the
+precision policy, two models in one checkpoint and activation checkpointing; the test process
+loads the (1, 2) checkpoint into one process and a plain module.
 """
 
 from __future__ import annotations
@@ -234,6 +235,13 @@ def _two_ranks(rank: int, ckpt: str) -> dict[str, Any]:
     acc.load(ckpt + "-41", {"model": model, "optimizer": optimizer})
     acc.save(ckpt + "-12", {"model": model, "optimizer": optimizer})
     out: dict[str, Any] = {"loaded_12": _full(model)}
+    fsdp = Accelerator(accelerator="cpu", strategy="fsdp", devices=2)  # plain FSDP, no plan
+    fsdp.launch()
+    with fsdp.init_module(empty_init=True):
+        plain = TPTransformer(CFG)
+    plain, plain_opt = fsdp.setup(plain, tp_optimizer(plain))
+    fsdp.load(ckpt + "-41", {"model": plain, "optimizer": plain_opt})
+    out["loaded_fsdp"] = _full(plain)
     out.update(_precision_policies())
     out.update(_two_models_one_checkpoint(ckpt + "-pair"))
     out.update(_activation_checkpointing(ckpt + "-ac"))
@@ -435,6 +443,7 @@ def test_checkpoint_across_layouts(runs: dict[str, Any], tmp_path: Path) -> None
         assert _close(out["loaded_41"], saved, 0) == [] and out["loaded_step"] == 3
     for out in runs["two"]:
         assert _close(out["loaded_12"], saved, 0) == []
+        assert _close(out["loaded_fsdp"], saved, 0) == []
     # one process, then a plain module from a plain file
     acc = Accelerator(accelerator="cpu", devices=1)
     model = TPTransformer(CFG)
