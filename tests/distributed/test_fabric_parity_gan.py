@@ -2,7 +2,8 @@
 
 Fabric's DCGAN example draws the generator's noise from the global random stream inside the loop,
 after iterating a set-up loader; the losses match Fabric's only if that stream does. Fabric's FSDP
-needs a GPU, so on CPU minifabric's "fsdp" is compared with Fabric's "ddp" (equal in fp32), and
+needs a GPU, so on CPU minifabric's "fsdp" is compared with Fabric's "ddp" (equal in fp32 up to the
+order in which gradients are summed), and
 "fsdp" + "bf16-mixed" (batch norms next to bf16 activations) must run.
 """
 
@@ -41,6 +42,8 @@ def _run(tmp_path, library, strategy, precision):
 def test_gan_losses_equal_fabrics_under_ddp_and_fsdp(tmp_path):
     fabric = _run(tmp_path, "lightning", "ddp", "32-true")
     assert _run(tmp_path, "minifabric", "ddp", "32-true") == fabric  # every rank, every step, both losses
-    assert _run(tmp_path, "minifabric", "fsdp", "32-true") == fabric
+    sharded = _run(tmp_path, "minifabric", "fsdp", "32-true")  # gradients reduced in another order
+    for mine, theirs in zip(sharded, fabric, strict=True):
+        assert mine == pytest.approx(theirs, rel=1e-4, abs=1e-6)
     mixed = _run(tmp_path, "minifabric", "fsdp", "bf16-mixed")
     assert len(mixed) == 2 and len(mixed[0]) == len(fabric[0])

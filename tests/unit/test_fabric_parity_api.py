@@ -320,6 +320,40 @@ class _Logger:
         self.rows.append(metrics)
 
 
+def test_a_real_lightning_module_logs_through_the_accelerator():
+    pl = pytest.importorskip("pytorch_lightning")
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(2, 1)
+
+        def training_step(self, batch):
+            loss = self.layer(batch).pow(2).mean()
+            self.log("loss", loss)
+            return loss
+
+    def scenario(cls):
+        logger = _Logger()
+        acc = cls(accelerator="cpu", devices=1, loggers=logger)
+        torch.manual_seed(0)
+        module = Module()
+        model, optimizer = acc.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+        loss = model.training_step(torch.ones(3, 2))
+        acc.backward(loss)
+        optimizer.step()
+        return (
+            module.fabric is acc,
+            module.logger is logger,
+            [{k: round(v, 6) for k, v in row.items()} for row in logger.rows],
+            len(module.optimizers()) if isinstance(module.optimizers(), list) else 1,
+        )
+
+    results = _on_both(scenario)
+    assert results["minifabric"] == results["lightning"]
+    assert results["minifabric"][:2] == (True, True)
+
+
 def test_a_lightning_module_sees_the_accelerator_and_its_loggers():
     def scenario(cls):
         logger = _Logger()
