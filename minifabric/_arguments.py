@@ -173,8 +173,12 @@ def check_state(state: Any, keep_last: Any = None) -> None:
             )
 
 
-def check_safetensors_state(state: dict[str, Any], asynchronous: bool) -> nn.Module:
-    """The one module of a ``save(..., format="safetensors")`` call."""
+def safetensors_module(state: dict[str, Any], format: Any, asynchronous: bool) -> nn.Module | None:
+    """``save``'s ``format=``: the one module to write as safetensors, or None for a checkpoint."""
+    if format == "minifabric":
+        return None
+    if format != "safetensors":
+        raise ValueError(f'format={format!r} is unknown. Use "minifabric" (a checkpoint) or "safetensors".')
     modules = [value for value in state.values() if isinstance(value, nn.Module)]
     if len(modules) != 1 or len(state) != 1:
         raise ValueError(
@@ -183,7 +187,7 @@ def check_safetensors_state(state: dict[str, Any], asynchronous: bool) -> nn.Mod
         )
     if asynchronous:
         raise ValueError('format="safetensors" does not write asynchronously; pass `asynchronous=False`.')
-    return modules[0]
+    return unwrap_state({"m": modules[0]})["m"]
 
 
 def check_init_module_arguments(empty_init: bool | None, verify: bool | None) -> bool:

@@ -478,23 +478,11 @@ class Accelerator:
             With ``asynchronous=True``, a handle whose ``.wait()`` blocks until the save is committed.
         """
         _arguments.check_state(state, keep_last)
-        if format == "safetensors":
-            module = _arguments.check_safetensors_state(state, asynchronous)
-            return self._checkpointer.export_safetensors(
-                Path(path), _arguments.unwrap_state({"m": module})["m"]
-            )
-        if format != "minifabric":
-            raise ValueError(
-                f'format={format!r} is unknown. Use "minifabric" (a checkpoint) or "safetensors".'
-            )
-        options = self._strategy.checkpoint_options
+        if (module := _arguments.safetensors_module(state, format, asynchronous)) is not None:
+            return self._checkpointer.export_safetensors(Path(path), module)
+        unwrapped, options = _arguments.unwrap_state(state), self._strategy.checkpoint_options
         handle = self._checkpointer.save(
-            Path(path),
-            _arguments.unwrap_state(state),
-            options,
-            asynchronous=asynchronous,
-            keep_last=keep_last,
-            filter=filter,
+            Path(path), unwrapped, options, asynchronous=asynchronous, keep_last=keep_last, filter=filter
         )
         self._strategy.on_save(Path(path), handle)  # named in a failure report
         return handle
