@@ -11,6 +11,7 @@ loads the (1, 2) checkpoint into one process and a plain module.
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,30 @@ def _reductions(acc: Accelerator, model: nn.Module, micro_batches: int) -> list[
     return counter.calls
 
 
+def _live_tensor_bytes() -> int:
+    """Bytes of every tensor storage alive in this process (each storage once)."""
+    gc.collect()
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor) and not obj.is_meta:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _accumulation_bytes(acc: Accelerator, model: nn.Module) -> list[int]:
+    """Live tensor bytes after each of 3 micro-batches inside `no_backward_sync`: must not grow."""
+    batch = tp_batches(1, 6, CFG, seed=7)[0]
+    sizes = []
+    with acc.no_backward_sync(model):
+        for micro in batch.chunk(3):
+            acc.backward(tp_loss(model, micro))
+            sizes.append(_live_tensor_bytes())
+    for p in model.parameters():
+        p.grad = None
+    return sizes
+
+
 def _dataloader_batches(acc: Accelerator) -> list[list[int]]:
     dataset = torch.utils.data.TensorDataset(torch.arange(32))
     loader = acc.setup_dataloaders(torch.utils.data.DataLoader(dataset, batch_size=2, shuffle=True))
@@ -197,6 +222,7 @@ def _four_ranks(rank: int, ckpt: str) -> dict[str, Any]:
         if (dp, tp) == (2, 2):
             out["batches"] = _dataloader_batches(acc)
             out["reductions_2d"] = [_reductions(acc, model, k) for k in (1, 3)]
+            out["accumulation_bytes_2d"] = _accumulation_bytes(acc, model)
             acc.save(ckpt, {"model": model, "optimizer": optimizer, "step": 3})
             out["saved"] = _full(model)
     for replicas, shards in HSDP_LAYOUTS:
@@ -208,6 +234,7 @@ def _four_ranks(rank: int, ckpt: str) -> dict[str, Any]:
         out["hsdp"][(replicas, shards)] = result
         if (replicas, shards) == (2, 2):
             out["reductions_hsdp"] = [_reductions(acc, model, k) for k in (1, 3)]
+            out["accumulation_bytes_hsdp"] = _accumulation_bytes(acc, model)
     # the (2, 2) checkpoint, loaded at (4, 1) and saved again for the 2-rank job
     acc = acc_for(ModelParallelStrategy(parallelize, data_parallel_size=4, tensor_parallel_size=1))
     with acc.init_module(empty_init=True):
@@ -400,7 +427,9 @@ def test_batches_follow_the_data_parallel_rank(runs: dict[str, Any]) -> None:
         assert not set(batches[0]) & set(batches[2])
 
 
-def test_one_gradient_reduction_per_step_under_no_backward_sync(runs: dict[str, Any]) -> None:
+def test_one_gradient_reduction_per_step_and_no_memory_growth_under_no_backward_sync(
+    runs: dict[str, Any],
+) -> None:
     for out in runs["four"]:
         one, three = out["reductions_2d"]
         assert one and one == three  # k micro-batches reduce as often as one
@@ -409,6 +438,8 @@ def test_one_gradient_reduction_per_step_under_no_backward_sync(runs: dict[str, 
         assert one and one == three
         kinds = {kind for kind, _ in one}
         assert kinds == {"reduce_scatter", "all_reduce"}  # shard, then across the replicas
+        for sizes in (out["accumulation_bytes_2d"], out["accumulation_bytes_hsdp"]):
+            assert sizes[2] <= sizes[1] <= sizes[0], sizes  # accumulating holds nothing more per micro-batch
 
 
 def test_bad_input_raises_on_every_rank(runs: dict[str, Any]) -> None:
