@@ -514,17 +514,14 @@ class Accelerator:
             CheckpointError: no checkpoint at ``path``, an interrupted save, or keys and shapes that
                 do not match.
         """
-        from minifabric.checkpoint.format import is_stateful
-
         if state is None:
             state = {}
         _arguments.check_state(state)
-        unwrapped = _arguments.unwrap_state(state)
+        before = _arguments.unwrap_state(state)
+        unwrapped = dict(before)  # modules and optimizers load in place; other values are replaced
         remainder = self._checkpointer.load(Path(path), unwrapped, strict=strict, weights_only=weights_only)
         self._strategy.on_load(Path(path))
-        for key, value in unwrapped.items():
-            if key in state and not is_stateful(state[key]):
-                state[key] = value
+        state.update({key: value for key, value in unwrapped.items() if value is not before[key]})
         return remainder
 
     def load_raw(

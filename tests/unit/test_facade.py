@@ -74,6 +74,20 @@ def test_the_facade_never_branches_on_the_strategy_type():
             assert not names & strategy_names, ast.unparse(node)
 
 
+def test_the_facade_imports_only_the_checkpoint_service():
+    tree = _tree()
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+        for n in ast.walk(node)
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("minifabric.checkpoint"):
+            if id(node) not in typing_only:
+                assert node.module == "minifabric.checkpoint.service", ast.unparse(node)
+
+
 def test_the_facade_does_not_reach_through_the_strategy_to_its_lifecycle():
     for node in ast.walk(_tree()):
         if isinstance(node, ast.Attribute) and node.attr == "lifecycle":
