@@ -189,8 +189,26 @@ class _WrappedModule(nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self._original_module.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self._original_module.load_state_dict(*args, **kwargs)
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load into the user's module; full (unsharded) tensors load into a sharded model too.
+
+        Under FSDP the parameters are DTensors, and ``nn.Module.load_state_dict`` refuses plain
+        tensors for them. A state dict of full tensors (``torch.load`` of a file, what litgpt's
+        scripts load on every rank) is then loaded through torch's ``set_model_state_dict``: each
+        rank keeps its own part of every tensor (no communication).
+        """
+        from torch.distributed.tensor import DTensor
+
+        module = self._original_module
+        sharded = {name for name, p in module.state_dict(keep_vars=True).items() if isinstance(p, DTensor)}
+        if assign or not any(
+            name in sharded and not isinstance(value, DTensor) for name, value in state_dict.items()
+        ):
+            return module.load_state_dict(state_dict, strict=strict, assign=assign)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, strict=strict)
+        return set_model_state_dict(module, dict(state_dict), options=options)  # it writes into the dict
 
     def __getattr__(self, name: str) -> Any:
         try:

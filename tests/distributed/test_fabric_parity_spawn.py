@@ -60,3 +60,27 @@ def test_launch_fn_gives_each_rank_its_model_and_its_share_of_the_data():
     assert samples == [[9, 7, 5, 3, 1], [8, 6, 4, 2, 0]]  # the sampler's order, split between the ranks
     assert tagged_samples == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
     assert label == "tag-7"
+
+
+def _load_full_state_dict(rank, path):
+    from minifabric import Accelerator
+
+    acc = Accelerator(accelerator="cpu", strategy="fsdp", devices=2)
+    acc.launch()
+    model = acc.setup(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)))
+    result = model.load_state_dict(torch.load(path, weights_only=True))  # litgpt's load on every rank
+    out = model(torch.ones(2, 4))
+    return [list(result.missing_keys), list(result.unexpected_keys)], out.tolist()
+
+
+def test_a_full_state_dict_loads_into_the_sharded_model_on_every_rank(tmp_path):
+    """litgpt's finetune/full.py loads its base checkpoint with ``model.load_state_dict`` under FSDP."""
+    from tests.helpers import run_distributed
+
+    torch.manual_seed(0)
+    source = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    torch.save(source.state_dict(), tmp_path / "base.pt")
+    expected = source(torch.ones(2, 4)).tolist()
+    for keys, out in run_distributed(_load_full_state_dict, 2, str(tmp_path / "base.pt"), timeout=240):
+        assert keys == [[], []]
+        assert torch.allclose(torch.tensor(out), torch.tensor(expected), atol=1e-6)
