@@ -13,12 +13,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from minifabric.checkpoint import rng, validate
 from minifabric.checkpoint.comm import Comm
-from minifabric.checkpoint.format import is_stateful
+from minifabric.checkpoint.format import is_ref, is_stateful, ref_dtype
 from minifabric.checkpoint.read import Opened, Resolver, has_refs, open_checkpoint, read_entries
 from minifabric.checkpoint.tensors import equal, place
 
@@ -39,7 +41,7 @@ def load(
         opened = open_checkpoint(path, weights_only=weights_only)
         plan = validate.plan(opened, state, strict)
     with comm.agreed(*failed):
-        read = read_entries(opened, _wanted(opened, plan, state, comm), views=_views(state))
+        read = read_entries(opened, _wanted(opened, plan, state, comm), views=_views(state, plan))
     apply(opened, state, read, strict, comm.rank, comm.world_size)
     if plan.tolerated:
         warnings.warn(
@@ -85,18 +87,22 @@ def _resolver(obj: Any) -> Resolver:
     return lambda path: None
 
 
-def _views(state: dict[str, Any]) -> dict[str, set[str]]:
-    """Per module entry, the keys that ``load_state_dict`` surely copies out (and may read as file views).
+def _views(state: dict[str, Any], plan: validate.LoadPlan) -> dict[str, set[tuple]]:
+    """Per entry, the paths of the saved tensors that are surely copied out (and may be read as file views).
 
     A parameter or buffer qualifies when the module owning it loads with ``nn.Module``'s own
     ``_load_from_state_dict`` (identified by its code), which copies into the live tensor. A module
     that overrides it may keep the tensor it is given (a cache, a buffer of varying length), which
     would keep the shard file mapped after the load: its tensors are read into fresh memory. Extra
-    state, which ``set_extra_state`` may keep as given, never qualifies.
+    state, which ``set_extra_state`` may keep as given, never qualifies. An optimizer's state tensor
+    qualifies where the live optimizer already holds one of the same shape and dtype:
+    :func:`load_optimizer` copies into it.
     """
     copies = nn.Module._load_from_state_dict.__code__
-    out = {}
+    out: dict[str, set[tuple]] = {}
     for key, module in state.items():
+        if isinstance(module, Optimizer) and key in plan.trees:
+            out[key] = _optimizer_views(module, plan.trees[key])
         if not isinstance(module, nn.Module):
             continue
         names: set[str] = set()
@@ -106,7 +112,23 @@ def _views(state: dict[str, Any]) -> dict[str, set[str]]:
                 continue
             owned = [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]
             names |= {f"{prefix}.{name}" if prefix else name for name, _ in owned}
-        out[key] = names
+        out[key] = {(name,) for name in names}
+    return out
+
+
+def _optimizer_views(optimizer: Optimizer, saved: Any) -> set[tuple]:
+    """The paths ``("state", index, name)`` of saved optimizer state that a live state tensor will receive."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    out = set()
+    for index, values in (saved.get("state", {}) if isinstance(saved, dict) else {}).items():
+        if not (isinstance(index, int) and 0 <= index < len(params)) or not isinstance(values, dict):
+            continue
+        live = optimizer.state.get(params[index], {})
+        for name, ref in values.items():
+            target = live.get(name)
+            if is_ref(ref) and isinstance(target, torch.Tensor) and not isinstance(target, nn.Parameter):
+                if tuple(ref["shape"]) == tuple(target.shape) and ref_dtype(ref) == target.dtype:
+                    out.add(("state", index, name))
     return out
 
 
@@ -134,16 +156,40 @@ def load_module(module: nn.Module, state_dict: dict[str, Any], strict: bool = Tr
 
 
 def load_optimizer(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-    """Load an index-keyed optimizer state dict; full state tensors are cut to the shard of their parameter."""
+    """Load an index-keyed optimizer state dict; full state tensors are cut to the shard of their parameter.
+
+    A state tensor the live optimizer already holds in the same layout is copied into (no new
+    memory, and a view of a mapped shard file is dropped after the copy).
+    """
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    state = {
-        index: {
-            name: place(value, params[index]) if isinstance(index, int) and index < len(params) else value
-            for name, value in values.items()
+    state = {}
+    for index, values in state_dict.get("state", {}).items():
+        if not (isinstance(index, int) and index < len(params)):
+            state[index] = values
+            continue
+        live = optimizer.state.get(params[index], {})
+        state[index] = {
+            name: _into(place(value, params[index]), live.get(name)) for name, value in values.items()
         }
-        for index, values in state_dict.get("state", {}).items()
-    }
     optimizer.load_state_dict({**state_dict, "state": state})
+
+
+def _into(value: Any, live: Any) -> Any:
+    """``live`` with ``value`` copied into it when both are tensors of one layout; else ``value``."""
+    if not isinstance(value, torch.Tensor) or not isinstance(live, torch.Tensor) or value is live:
+        return value
+    if isinstance(value, DTensor) != isinstance(live, DTensor):
+        return value
+    if isinstance(live, DTensor) and isinstance(value, DTensor):
+        if live.placements != value.placements or live.device_mesh != value.device_mesh:
+            return value
+    source = value.to_local() if isinstance(value, DTensor) else value
+    target = live.to_local() if isinstance(live, DTensor) else live
+    if source.shape != target.shape or source.dtype != target.dtype or source.device != target.device:
+        return value
+    with torch.no_grad():
+        target.copy_(source)
+    return live
 
 
 def _restore_per_rank(opened: Opened, state: dict[str, Any], rank: int, world_size: int) -> None:

@@ -100,13 +100,13 @@ Resolver = Callable[[tuple], Any]
 def read_entries(
     opened: Opened,
     wanted: dict[str, tuple[Any, Resolver]],
-    views: Mapping[str, Collection[str]] | None = None,
+    views: Mapping[str, Collection[tuple]] | None = None,
 ) -> dict[str, Any]:
     """The saved trees of the ``wanted`` entries with real tensors, each laid out like its live counterpart.
 
     ``wanted`` maps an entry to its saved tree (references in place of tensors) and a resolver: the path of a leaf in the saved tree -> the live tensor
     it will land in (its layout: a DTensor gets its shard), a ``DeviceMesh`` to read it sharded, or
-    None. ``views`` maps an entry to the keys of its state dict that may come back as views of the
+    None. ``views`` maps an entry to the paths in its saved tree that may come back as views of the
     mapped shard files: name only tensors that are copied out (into a module's parameters and
     buffers) and then dropped. Tensors are read into fresh memory; nothing live is written.
     """
@@ -118,7 +118,7 @@ def read_entries(
         def leaf(path: tuple, value: Any) -> Any:
             if is_ref(value):
                 targets[value[TENSOR_REF]] = empty_target(value, resolve(path))
-                if len(path) == 1 and path[0] in views.get(name, ()):
+                if path in views.get(name, ()):
                     viewable.add(value[TENSOR_REF])
                 return value
             if isinstance(value, torch.Tensor):

@@ -283,3 +283,26 @@ def test_a_module_that_keeps_the_loaded_tensor_keeps_no_file_mapped(tmp_path: Pa
     gc.collect()
     assert torch.equal(fresh.cache, model.cache) and torch.equal(fresh.layer.weight, model.layer.weight)
     assert not _mapped_files(tmp_path)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_optimizer_state_loads_into_the_live_state_tensors_and_keeps_nothing_mapped(tmp_path: Path) -> None:
+    acc = _single(tmp_path)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = acc.setup(model, optimizer)
+    acc.backward(model(torch.randn(2, 64)).sum())
+    optimizer.step()
+    acc.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer})
+    saved = {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items()}
+    acc.backward(model(torch.randn(2, 64)).sum())
+    optimizer.step()  # the live state moves on
+    live = optimizer.optimizer.state[next(iter(model.parameters()))]
+    pointers = {k: v.data_ptr() for k, v in live.items()}
+    acc.load(tmp_path / "ckpt", {"model": model, "optimizer": optimizer})
+    gc.collect()
+    now = optimizer.optimizer.state[next(iter(model.parameters()))]
+    assert {k: v.data_ptr() for k, v in now.items()} == pointers  # copied into, no new memory
+    assert all(torch.equal(now[k], saved[k]) for k in saved)
+    assert not _mapped_files(tmp_path)
