@@ -480,6 +480,10 @@ class Accelerator:
         _arguments.check_state(state, keep_last)
         if (module := _arguments.safetensors_module(state, format, asynchronous)) is not None:
             return self._checkpointer.export_safetensors(Path(path), module)
+        if not self._strategy.writes_checkpoints:  # another replica group writes this checkpoint
+            from minifabric.checkpoint.service import SaveHandle
+
+            return SaveHandle(Path(path)) if asynchronous else None
         unwrapped, options = _arguments.unwrap_state(state), self._strategy.checkpoint_options
         handle = self._checkpointer.save(
             Path(path), unwrapped, options, asynchronous=asynchronous, keep_last=keep_last, filter=filter

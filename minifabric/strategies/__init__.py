@@ -7,6 +7,7 @@ second to import, which a run that does not shard should not pay.
 from typing import TYPE_CHECKING, Any
 
 from minifabric.strategies.ddp import DDPStrategy
+from minifabric.strategies.fault_tolerance import FaultTolerance
 from minifabric.strategies.single import SingleDeviceStrategy
 from minifabric.strategies.strategy import Strategy, wrap
 
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DDPStrategy",
     "FSDPStrategy",
+    "FaultTolerance",
     "ModelParallelStrategy",
     "SingleDeviceStrategy",
     "Strategy",

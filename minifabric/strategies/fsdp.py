@@ -32,6 +32,7 @@ from minifabric.strategies.compile import (
     resolve_compiler,
     split_compiled,
 )
+from minifabric.strategies.fault_tolerance import FaultTolerance
 from minifabric.strategies.fsdp_grads import clip_grad_norm_
 from minifabric.strategies.fsdp_options import (
     broadcast_module_states,
@@ -57,6 +58,8 @@ from minifabric.strategies.strategy import Strategy
 
 if TYPE_CHECKING:
     from lightning_fabric.plugins.environments import ClusterEnvironment
+
+    from minifabric.strategies.replica_group import ReplicaGroup
 
 log = logging.getLogger(__name__)
 StateDictStr = Literal["sharded", "full"]
@@ -100,6 +103,10 @@ class FSDPStrategy(Strategy):
             ``limit_all_gathers``, ``use_orig_params``, ``forward_prefetch``, ``backward_prefetch``,
             ``device_id`` are accepted with one warning (FSDP2 has no such knob). ``CPUOffload``,
             FSDP1 ``MixedPrecision``, ``ShardingStrategy`` and ``ModuleWrapPolicy`` values are accepted too.
+        fault_tolerance: a :class:`~minifabric.FaultTolerance`: this run is one replica group of a
+            fault-tolerant job (torchft). The model is sharded inside the group and replicated across
+            groups; the job keeps training when a group dies, and a group that comes back copies the
+            state from a live one. ``acc.strategy.replica_group`` then tells the committed step.
 
     Example:
         >>> from minifabric import Accelerator, FSDPStrategy
@@ -120,9 +127,15 @@ class FSDPStrategy(Strategy):
         process_group_backend: str | None = None,
         compile: CompileOption = False,
         device_mesh: tuple[int, int] | DeviceMesh | None = None,
+        fault_tolerance: FaultTolerance | None = None,
         **fabric_options: Any,
     ) -> None:
         super().__init__(timeout=timeout, process_group_backend=process_group_backend, compile=compile)
+        if fault_tolerance is not None and not isinstance(fault_tolerance, FaultTolerance):
+            raise TypeError(
+                f"fault_tolerance must be a minifabric.FaultTolerance, got {fault_tolerance!r}:"
+                " `FSDPStrategy(fault_tolerance=FaultTolerance(replica_group_id=0, num_replica_groups=2))`."
+            )
         options = translate_fabric_options(
             {
                 "auto_wrap_policy": auto_wrap_policy,
@@ -154,6 +167,9 @@ class FSDPStrategy(Strategy):
         self.mixed_precision = mixed_precision
         self.device_mesh = check_device_mesh(device_mesh, sharding_strategy)
         self._mesh: DeviceMesh | None = device_mesh if isinstance(device_mesh, DeviceMesh) else None
+        self.fault_tolerance = fault_tolerance
+        #: this process's replica group when ``fault_tolerance`` is set (after ``acc.launch()``)
+        self.replica_group: ReplicaGroup | None = None
 
     def connect(
         self,
@@ -179,6 +195,36 @@ class FSDPStrategy(Strategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._init_process_group()  # fully_shard needs a process group even with one process
+        if self.fault_tolerance is not None:
+            from minifabric.strategies.replica_group import ReplicaGroup
+
+            self.replica_group = ReplicaGroup(
+                self.fault_tolerance,
+                group_rank=self.global_rank,
+                group_size=self.world_size,
+                store_address=(self.environment.main_address, self.environment.main_port),
+            )
+
+    def teardown(self) -> None:
+        if self.replica_group is not None:
+            self.replica_group.shutdown()
+        super().teardown()
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """Each rank reads its own part of the data; with replica groups, a part of the whole job's."""
+        if self.fault_tolerance is None:
+            return super().distributed_sampler_kwargs
+        group = self.fault_tolerance.replica_group_id
+        return {
+            "num_replicas": self.world_size * self.fault_tolerance.num_replica_groups,
+            "rank": group * self.world_size + self.global_rank,
+        }
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """With replica groups, one live group writes (the others hold the same state)."""
+        return self.replica_group.writes_checkpoints if self.replica_group is not None else True
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -257,6 +303,8 @@ class FSDPStrategy(Strategy):
             # With CPU offload FSDP keeps the sharded parameters in CPU memory: materialize them there.
             param_device = torch.device("cpu") if self.cpu_offload else self.root_device
             self._materialize(module, places, param_device, self.root_device)
+        if self.replica_group is not None:
+            self.replica_group.watch_module(module)
         return module
 
     def _compiler(self, module: nn.Module) -> tuple[nn.Module, Compiler | None]:
@@ -289,7 +337,14 @@ class FSDPStrategy(Strategy):
         """Always, as Fabric's FSDP strategy (its precision plugin runs the backward)."""
         return True
 
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        if self.replica_group is not None:
+            self.replica_group.watch_optimizer(optimizer)
+        return optimizer
+
     def forward_context(self) -> ContextManager:
+        if self.replica_group is not None:
+            self.replica_group.begin_step()  # before FSDP gathers anything: a heal writes the shards
         # With a casting policy FSDP2 already runs forward in the low-precision dtype; autocast on
         # top would only add casts. (Decided without building the policy: this runs every forward.)
         casts = (
@@ -300,6 +355,13 @@ class FSDPStrategy(Strategy):
         if casts:
             return nullcontext()
         return self.precision.forward_context()
+
+    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        """Step, unless this replica group's step failed (then every rank of the group drops it)."""
+        if self.replica_group is None or self.replica_group.commit():
+            return super().optimizer_step(optimizer, **kwargs)
+        self.lifecycle.step_done()
+        return None
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
         """Inside, gradients accumulate unreduced (FSDP2's ``set_requires_gradient_sync(False)``)."""

@@ -371,6 +371,11 @@ class Strategy:
         """The run resumed from the checkpoint at ``path``."""
         self.lifecycle.loaded(path)
 
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this process's run writes checkpoints (False where another replica group writes them)."""
+        return True
+
     def wrap(self, module: nn.Module) -> nn.Module:
         """Shard ``module`` now (FSDP); other strategies return it unchanged."""
         return module

@@ -1,0 +1,114 @@
+"""The state a replica group sends to a group that rejoins, and how the rejoining group applies it.
+
+Rank ``r`` of a live group sends to rank ``r`` of the group that heals: both shard the model the same
+way (same model, same number of processes), so each rank needs only its own shard. What travels is
+plain tensors: the local part of every sharded tensor (a DTensor's ``to_local()``) with its layout,
+and the receiver rebuilds the DTensors on its own device mesh. Nothing here communicates: building
+the state reads tensors in place (no copies) and applying it writes them in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from minifabric._torch import tree_map
+
+
+@dataclass
+class LocalShard:
+    """One rank's part of a DTensor as it travels: the local tensor and the global layout."""
+
+    tensor: torch.Tensor
+    placements: tuple[Any, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+def _local(value: Any) -> Any:
+    if isinstance(value, DTensor):
+        return LocalShard(value.to_local(), tuple(value.placements), value.shape, tuple(value.stride()))
+    return value
+
+
+def module_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s parameters and buffers by name, each as this rank's local tensor (a view)."""
+    return {
+        name: tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        for name, tensor in module.state_dict().items()
+    }
+
+
+def load_module_state(module: nn.Module, received: dict[str, torch.Tensor]) -> None:
+    """Copy ``received`` (from :func:`module_state` on a peer) into ``module``'s tensors in place.
+
+    Raises:
+        RuntimeError: the names or shapes differ (the groups do not run the same model).
+    """
+    live = module.state_dict()
+    if set(live) != set(received):
+        missing, unexpected = sorted(set(live) - set(received)), sorted(set(received) - set(live))
+        raise RuntimeError(
+            f"The state received from a live replica group does not match {type(module).__name__}:"
+            f" missing {missing}, unexpected {unexpected}. Every replica group must build the same model."
+        )
+    with torch.no_grad():
+        for name, tensor in live.items():
+            target = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            source = received[name]
+            if target.shape != source.shape:
+                raise RuntimeError(
+                    f"The state received from a live replica group has {name!r} of shape"
+                    f" {tuple(source.shape)} here, but this rank holds {tuple(target.shape)}. Every replica"
+                    " group must build the same model with the same number of processes."
+                )
+            target.copy_(source)
+
+
+def optimizer_state(optimizer: Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with every DTensor replaced by its :class:`LocalShard` (no copies)."""
+    return tree_map(_local, optimizer.state_dict())
+
+
+def load_optimizer_state(optimizer: Optimizer, received: dict[str, Any]) -> None:
+    """Load a peer's :func:`optimizer_state` into ``optimizer``, rebuilding DTensors on this rank's mesh.
+
+    A fresh optimizer (never stepped) gets its state created; hyper-parameters (a scheduled learning
+    rate) come from the peer too.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    sent = sum(len(group["params"]) for group in received["param_groups"])
+    if sent != len(params):
+        raise RuntimeError(
+            f"A live replica group sent optimizer state for {sent} parameters; this {type(optimizer).__name__}"
+            f" has {len(params)}. Every replica group must build the same model and optimizer."
+        )
+
+    def rebuild(value: Any, param: torch.Tensor) -> Any:
+        if not isinstance(value, LocalShard):
+            return value
+        if not isinstance(param, DTensor):
+            raise RuntimeError(
+                "A live replica group sent sharded optimizer state for a parameter that is not sharded"
+                " here. Every replica group must use the same strategy and number of processes."
+            )
+        local = value.tensor.to(param.to_local().device)
+        return DTensor.from_local(
+            local,
+            param.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride,
+        )
+
+    state = {
+        index: {key: rebuild(value, params[index]) for key, value in entry.items()}
+        for index, entry in received["state"].items()
+    }
+    optimizer.load_state_dict({"state": state, "param_groups": received["param_groups"]})

@@ -1,0 +1,263 @@
+"""This process's replica group in a fault-tolerant job: torchft's ``Manager`` behind the strategy.
+
+The strategy drives one step as torchft expects, without changing the user's loop:
+
+1. before the step's first forward through the set-up model, :meth:`ReplicaGroup.begin_step` asks the
+   lighthouse which groups take part (the *quorum*) and, if this group is behind (it was restarted),
+   copies the state of a live group into this one before anything runs;
+2. in backward, each sharding unit's reduce-scattered gradient is averaged with the same shard of
+   the other live groups (FSDP2's all-reduce hook, over torchft's reconfigurable gloo group);
+3. ``optimizer.step()`` calls :meth:`ReplicaGroup.commit`: the ranks of this group agree whether
+   the step went through everywhere (no collective failed, enough groups took part); only then does
+   the optimizer step. A step that failed is dropped by every rank of the group.
+
+The quorum is synchronous (torchft's ``use_async_quorum=False``): a group that heals does so before
+its forward and then contributes a real gradient to that same step, so training equals a run without
+the failure from that step on. torchft's asynchronous quorum overlaps the lighthouse round trip with
+the forward but makes a healing group contribute a zero gradient for one step (and at step 0 halves
+some shards' gradients), which would break that equality.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from minifabric.strategies.fault_tolerance import FaultTolerance
+from minifabric.strategies.heal_state import (
+    load_module_state,
+    load_optimizer_state,
+    module_state,
+    optimizer_state,
+)
+
+#: torchft's Rust core logs every quorum at INFO (several lines a step) unless RUST_LOG says otherwise
+_RUST_LOG_VAR = "RUST_LOG"
+
+
+class ReplicaGroup:
+    """This process's replica group: quorum, gradient averaging across groups, commit and healing.
+
+    Created by the strategy when the run starts (``acc.launch()``) and available as
+    ``acc.strategy.replica_group``.
+
+    Args:
+        settings: the :class:`~minifabric.FaultTolerance` settings.
+        group_rank: this process's rank inside its group.
+        group_size: the number of processes in the group.
+        store_address: ``(host, port)`` of the group's own key-value store (its ``MASTER_ADDR`` and
+            ``MASTER_PORT``), where the group's ranks find their manager.
+    """
+
+    def __init__(
+        self, settings: FaultTolerance, *, group_rank: int, group_size: int, store_address: tuple[str, int]
+    ) -> None:
+        self.settings = settings
+        self.group_rank = group_rank
+        self.group_size = group_size
+        self.healed_at: list[int] = []  # the steps at which this group copied a live group's state
+        self._modules: list[nn.Module] = []
+        self._optimizers: list[Optimizer] = []
+        self._objects: dict[str, Any] = {}
+        self._in_step = False
+        self._quorum_made = False
+        self._decision: bool | None = None  # the last step's commit, shared by its optimizers
+        self._manager = _make_manager(self, store_address)
+
+    # ---- what this group holds and heals -----------------------------------------------------
+
+    def watch_module(self, module: nn.Module) -> None:
+        """Average ``module``'s gradient shards across groups in backward, and heal its weights.
+
+        Raises:
+            RuntimeError: ``module`` has no FSDP2 sharding unit (nothing would be averaged).
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        if not units:
+            raise RuntimeError(
+                f"{type(module).__name__} has no FSDP sharding unit, so its gradients would never be"
+                " averaged across replica groups. Set it up with `FSDPStrategy(fault_tolerance=...)`."
+            )
+        for unit in units:
+            unit.set_all_reduce_hook(self._average_across_groups)
+        self._modules.append(module)
+
+    def watch_optimizer(self, optimizer: Optimizer) -> None:
+        """Heal ``optimizer``'s state (moments, step counts, learning rates) from a live group."""
+        self._optimizers.append(optimizer)
+
+    def register(self, name: str, obj: Any) -> None:
+        """Also heal ``obj`` (anything with ``state_dict()``/``load_state_dict()``, e.g. an LR scheduler).
+
+        Models and optimizers set up by the Accelerator are healed already; register what else
+        must equal the live groups' after a rejoin.
+
+        Example:
+            >>> acc.strategy.replica_group.register("scheduler", scheduler)  # doctest: +SKIP
+        """
+        if not (
+            callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+        ):
+            raise TypeError(
+                f"register({name!r}, ...) needs an object with state_dict() and load_state_dict(), got"
+                f" {type(obj).__name__}."
+            )
+        if name in self._objects:
+            raise ValueError(f"{name!r} is registered already; use another name.")
+        self._objects[name] = obj
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Join this step's quorum (once per step); heal first if this group is behind."""
+        if self._in_step:
+            return
+        self._decision = None
+        self._manager.start_quorum()
+        self._in_step = self._quorum_made = True
+
+    def commit(self) -> bool:
+        """Whether this step may be applied: every rank of the group agrees (the only collective here).
+
+        Several optimizers stepped in one step share the first one's decision.
+
+        Raises:
+            RuntimeError: no forward through the set-up model ran before the first ``optimizer.step()``.
+        """
+        if self._in_step:
+            self._in_step = False
+            self._decision = bool(self._manager.should_commit())
+        elif self._decision is None:
+            raise RuntimeError(
+                "optimizer.step() was called before any forward through the set-up model, so this"
+                " replica group never joined a step. Run the forward through what `acc.setup` returned."
+            )
+        return self._decision
+
+    def _average_across_groups(self, shard: torch.Tensor) -> None:
+        if not self._in_step:
+            raise RuntimeError(
+                "Gradients were reduced outside a step this replica group joined: run the forward"
+                " through what `acc.setup` returned."
+            )
+        from torch.distributed import ReduceOp
+
+        # A failure (a group died mid-step) is recorded by the manager and makes `commit` False.
+        self._manager.allreduce(shard, reduce_op=ReduceOp.AVG).wait()
+
+    # ---- what the loop reads -----------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """Committed steps: the same in every live group (a group that rejoins takes the live count)."""
+        return int(self._manager.current_step())
+
+    @property
+    def num_participants(self) -> int:
+        """How many groups took part in the current (or last) step."""
+        return int(self._manager.num_participants())
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this group writes checkpoints: the first live group of the last quorum.
+
+        Before the first step, group 0 does.
+        """
+        if not self._quorum_made:
+            return self.settings.replica_group_id == 0
+        return self._manager.participating_rank() == 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The committed step count, for a checkpoint (``acc.save(..., {"replicas": replica_group})``)."""
+        return dict(self._manager.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the committed step count from a checkpoint."""
+        self._manager.load_state_dict(state)
+
+    def shutdown(self) -> None:
+        """Stop the manager's servers (its lighthouse client and the state server)."""
+        self._manager.shutdown(wait=False)
+
+    # ---- healing (called by torchft) -----------------------------------------------------------
+
+    def _state(self) -> dict[str, Any]:
+        # Called on torchft's quorum thread while the main thread waits for the quorum (synchronous
+        # quorum): nothing runs forward or steps meanwhile, so the tensors are read in place.
+        return {
+            "modules": [module_state(m) for m in self._modules],
+            "optimizers": [optimizer_state(o) for o in self._optimizers],
+            "objects": {name: obj.state_dict() for name, obj in self._objects.items()},
+        }
+
+    def _load(self, state: dict[str, Any]) -> None:
+        sent = (len(state["modules"]), len(state["optimizers"]), sorted(state["objects"]))
+        here = (len(self._modules), len(self._optimizers), sorted(self._objects))
+        if sent != here:
+            raise RuntimeError(
+                f"A live replica group sent (modules, optimizers, registered objects) = {sent}, but this"
+                f" group has {here}. Every replica group must set up the same models and optimizers and"
+                " register the same objects."
+            )
+        for module, received in zip(self._modules, state["modules"], strict=True):
+            load_module_state(module, received)
+        for optimizer, received in zip(self._optimizers, state["optimizers"], strict=True):
+            load_optimizer_state(optimizer, received)
+        for name, obj in self._objects.items():
+            obj.load_state_dict(state["objects"][name])
+        self.healed_at.append(self.step)
+
+
+def _make_manager(group: ReplicaGroup, store_address: tuple[str, int]) -> Any:
+    settings = group.settings
+    with _quiet_rust_logs():
+        torchft = _import_torchft()
+        pg = torchft.ProcessGroupGloo(timeout=settings.timeout)
+        return torchft.Manager(
+            pg=pg,
+            load_state_dict=group._load,
+            state_dict=group._state,
+            min_replica_size=settings.min_replica_groups,
+            use_async_quorum=False,
+            timeout=settings.timeout,
+            quorum_timeout=settings.quorum_timeout,
+            connect_timeout=settings.timeout,
+            rank=group.group_rank,
+            world_size=group.group_size,
+            store_addr=store_address[0],
+            store_port=store_address[1],
+            lighthouse_addr=settings.lighthouse_address(),
+            replica_id=f"replica_group_{settings.replica_group_id}",
+        )
+
+
+def _import_torchft() -> Any:
+    try:
+        import torchft
+    except ImportError as err:
+        raise ImportError(
+            "Per-step fault tolerance (`FaultTolerance`) runs on torchft, which is not installed:"
+            " pip install 'minifabric[ft]'"
+        ) from err
+    return torchft
+
+
+@contextmanager
+def _quiet_rust_logs() -> Iterator[None]:
+    """Default torchft's Rust log level to warnings while its servers start (a user's RUST_LOG wins)."""
+    before = os.environ.get(_RUST_LOG_VAR)
+    if before is None:
+        os.environ[_RUST_LOG_VAR] = "warn"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_RUST_LOG_VAR, None)

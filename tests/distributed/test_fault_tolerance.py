@@ -1,0 +1,211 @@
+"""Per-step fault tolerance on torchft: 2 replica groups x 2 FSDP ranks, one group killed and restarted.
+
+The test starts a lighthouse in this process and each group as its own ``acc.launch()`` run
+(``tests/scripts/ft_group.py``), SIGKILLs one group's processes in the middle of training, checks
+that the other group keeps committing steps alone, restarts the killed group, and checks that it
+heals from the live group (no checkpoint on disk is read) and that both end with the same weights.
+The run is then replayed in this process from the recorded participation (which group's batch went
+into which committed step): the weights equal that replay. Everything started is stopped in a
+``finally``, also when an assertion fails.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import REPO
+
+if importlib.util.find_spec("torchft") is None:
+    pytest.skip(
+        "per-step fault tolerance needs torchft: pip install 'minifabric[ft]'", allow_module_level=True
+    )
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+SCRIPT = REPO / "tests" / "scripts" / "ft_group.py"
+STEPS, KILL_AT, HOLD_AT = 16, 4, 9
+
+
+class Job:
+    """The processes of a test job: start, watch their output, kill, and stop them all."""
+
+    def __init__(self, out: Path, lighthouse: str) -> None:
+        self.out = out
+        self.lighthouse = lighthouse
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.transcript: list[str] = []
+        self.processes: list[subprocess.Popen] = []
+        self.start_time = time.monotonic()
+
+    def start(self, group: int, *extra: str) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RUST_LOG": "error"}
+        env.pop("MASTER_PORT", None)
+        command = [sys.executable, str(SCRIPT), "--group", str(group), "--lighthouse", self.lighthouse]
+        command += ["--out", str(self.out), "--steps", str(STEPS), *extra]
+        process = subprocess.Popen(
+            command,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # its own process group: the launcher and both ranks
+        )
+        self.processes.append(process)
+        threading.Thread(target=self._pump, args=(process,), daemon=True).start()
+        return process
+
+    def _pump(self, process: subprocess.Popen) -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            self.lines.put(line.rstrip())
+
+    def mark(self) -> int:
+        """A point in the output: ``wait_for(..., since=mark)`` looks only at lines after it."""
+        return len(self.transcript)
+
+    def wait_for(self, pattern: str, timeout: float = 180, since: int = 0) -> None:
+        """Wait until a line after ``since`` matches ``pattern`` (lines already read count too)."""
+        if any(re.search(pattern, line) for line in self.transcript[since:]):
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=1)
+            except queue.Empty:
+                failed = [p.returncode for p in self.processes if p.poll() not in (None, 0, -signal.SIGKILL)]
+                if failed:
+                    raise AssertionError(
+                        f"a group failed (exit {failed}). Output:\n" + self.output()
+                    ) from None
+                continue
+            self.transcript.append(line)
+            if re.search(pattern, line):
+                return
+        raise AssertionError(f"no line matched {pattern!r} in {timeout} s. Output:\n" + self.output())
+
+    def output(self) -> str:
+        while not self.lines.empty():
+            self.transcript.append(self.lines.get())
+        return "\n".join(self.transcript[-200:])
+
+    @staticmethod
+    def kill(process: subprocess.Popen) -> None:
+        if process.poll() is None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        process.wait(timeout=30)
+
+    def stop_all(self) -> None:
+        for process in self.processes:
+            self.kill(process)
+
+
+def _records(out: Path, group: int, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (out / f"g{group}r{rank}.jsonl").read_text().splitlines()]
+
+
+def _replay(out: Path) -> dict[str, torch.Tensor]:
+    """The run in one process: each committed step averages the batches of the groups that took part."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import ft_group
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    batches: dict[int, dict[int, list[list[int]]]] = {}  # step -> group -> per-rank indices
+    for group in range(2):
+        for rank in range(2):
+            for record in _records(out, group, rank):
+                if record["committed"]:
+                    batches.setdefault(record["step"], {}).setdefault(group, []).append(record["indices"])
+    model = ft_group.build_model()
+    optimizer = ft_group.build_optimizer(model)
+    x_all, y_all = ft_group.data()
+    for step in range(STEPS):
+        losses = [
+            torch.nn.functional.mse_loss(model(x_all[idx]), y_all[idx])
+            for group in sorted(batches[step])
+            for idx in batches[step][group]
+        ]
+        torch.stack(losses).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {name: t.detach() for name, t in model.state_dict().items()}
+
+
+@pytest.mark.timeout(600)
+def test_killed_group_rejoins_heals_from_a_live_group_and_ends_equal(tmp_path: Path) -> None:
+    os.environ["RUST_LOG"] = "error"  # read when torchft is first imported (restored after the test)
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=3000
+    )
+    job = Job(tmp_path, lighthouse.address())
+    try:
+        group0 = job.start(0, "--hold-at", str(HOLD_AT))
+        group1 = job.start(1)
+        for tag in ("g0r0", "g0r1", "g1r0", "g1r1"):
+            job.wait_for(rf"{tag} ready", timeout=240)
+        (tmp_path / "go").touch()
+        job.wait_for(rf"g1r0 step {KILL_AT} ")
+        job.kill(group1)  # SIGKILL to the group's launcher and both ranks
+        killed_at = time.monotonic()
+        job.wait_for(rf"g0r0 holding at step {HOLD_AT}")  # the live group kept committing alone
+        survived = time.monotonic() - killed_at
+        restart = job.mark()
+        group1 = job.start(1)
+        job.wait_for(r"g1r0 ready", timeout=240, since=restart)
+        job.wait_for(r"g1r1 ready", timeout=240, since=restart)
+        (tmp_path / "release").touch()
+        assert group0.wait(timeout=300) == 0, job.output()
+        assert group1.wait(timeout=120) == 0, job.output()
+    finally:
+        job.stop_all()
+        lighthouse.shutdown()
+
+    output = job.output()
+    records = {(g, r): _records(tmp_path, g, r) for g in range(2) for r in range(2)}
+    # the data: before the kill the 4 ranks read 4 different parts of every step's samples
+    first = [set(records[(g, r)][0]["indices"]) for g in range(2) for r in range(2)]
+    assert len(set.union(*first)) == sum(map(len, first)) == 8, first
+    # the live group committed steps alone while the other was dead, and never healed after step 0
+    # (at step 0 torchft makes every group copy one group's weights: they start equal)
+    alone = [r for r in records[(0, 0)] if r["committed"] and r["participants"] == 1]
+    assert alone, output
+    assert all(h == 0 for r in records[(0, 0)] + records[(0, 1)] for h in r["healed_at"]), output
+    # the restarted group healed from group 0 at the step group 0 was at, and committed from there
+    for rank in range(2):
+        restarted = [r for r in records[(1, rank)] if any(h > KILL_AT for h in r["healed_at"])]
+        healed_at = restarted[0]["healed_at"]
+        assert len(healed_at) == 1 and KILL_AT < healed_at[0] < STEPS, output
+        assert restarted[0]["step"] == healed_at[0] and restarted[0]["participants"] == 2, output
+        assert restarted[0]["committed"] and restarted[-1]["step"] == STEPS - 1, output
+    # both groups hold the same weights (torchft's own check is assert_close; they are bitwise equal)
+    for rank in range(2):
+        a, b = torch.load(tmp_path / f"g0r{rank}.pt"), torch.load(tmp_path / f"g1r{rank}.pt")
+        torch.testing.assert_close(a, b)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    # and equal the run replayed in one process from which group's batches each step averaged
+    expected = _replay(tmp_path)
+    final = torch.load(tmp_path / "g0r0.pt")
+    torch.testing.assert_close(final, expected, rtol=1e-5, atol=1e-6)
+    # one group wrote the checkpoint
+    assert "g0r0 done at step 16 wrote_checkpoint=True" in output
+    assert "g1r0 done at step 16 wrote_checkpoint=False" in output
+    assert (tmp_path / "ckpt").is_dir()
+    print(f"the live group went on alone for {survived:.1f} s; healed at step {healed_at[0]}")

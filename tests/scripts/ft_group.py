@@ -1,0 +1,118 @@
+"""One replica group (2 processes, FSDP) of a fault-tolerant job; run once per group.
+
+    python tests/scripts/ft_group.py --group 0 --lighthouse http://host:29510 --out DIR --steps 20
+
+The loop is the ordinary Accelerator loop; it stops at a number of *committed* steps (a group that
+rejoins takes the live groups' count). Every attempt is recorded in ``DIR/g{group}r{rank}.jsonl``
+(the step, whether it committed, how many groups took part, the sample indices), and at the end the
+full weights go to ``DIR/g{group}r{rank}.pt``, so a test can replay the run in one process.
+``DIR/go`` must exist before the first step; with ``--hold-at S`` the group waits at step S until
+``DIR/release`` exists (so a test can restart a group while this one is still training).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from minifabric import Accelerator, FaultTolerance, FSDPStrategy
+
+NUM_SAMPLES, IN, OUT = 64, 8, 4
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets, indexed by sample (the same in every process)."""
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(NUM_SAMPLES, IN, generator=g), torch.randn(NUM_SAMPLES, OUT, generator=g)
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, 16), Block(16), Block(16), nn.Linear(16, OUT))
+
+
+def build_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def wait_for(path: Path) -> None:
+    while not path.exists():
+        time.sleep(0.02)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--group", type=int, required=True)
+    parser.add_argument("--lighthouse", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--hold-at", type=int, default=None)
+    parser.add_argument("--pace", type=float, default=0.05)
+    args = parser.parse_args()
+
+    ft = FaultTolerance(
+        replica_group_id=args.group, num_replica_groups=2, lighthouse=args.lighthouse, timeout=30
+    )
+    acc = Accelerator(accelerator="cpu", strategy=FSDPStrategy(fault_tolerance=ft), devices=2)
+    acc.launch()
+    model = build_model()
+    model, optimizer = acc.setup(model, build_optimizer(model))
+    x_all, y_all = data()
+    loader = acc.setup_dataloaders(DataLoader(TensorDataset(torch.arange(NUM_SAMPLES)), batch_size=2))
+    group = acc.strategy.replica_group
+    tag = f"g{args.group}r{acc.global_rank}"
+    print(f"{tag} ready", flush=True)
+    wait_for(args.out / "go")
+
+    log = (args.out / f"{tag}.jsonl").open("a")
+    held = False
+    while group.step < args.steps:
+        for (index,) in loader:
+            if group.step >= args.steps:
+                break
+            if args.hold_at is not None and group.step == args.hold_at and not held:
+                held = True
+                print(f"{tag} holding at step {group.step}", flush=True)
+                wait_for(args.out / "release")
+            loss = nn.functional.mse_loss(model(x_all[index]), y_all[index])
+            step = group.step  # read after the forward: a group that rejoins has healed by now
+            acc.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            record = {
+                "step": step,
+                "committed": group.step == step + 1,
+                "participants": group.num_participants,
+                "indices": index.tolist(),
+                "healed_at": group.healed_at,
+            }
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            print(f"{tag} step {group.step} participants {group.num_participants}", flush=True)
+            time.sleep(args.pace)
+
+    acc.save(args.out / "ckpt", {"model": model, "optimizer": optimizer, "replicas": group})
+    full = {name: t.full_tensor() for name, t in model.state_dict().items()}
+    torch.save(full, args.out / f"{tag}.pt")
+    print(f"{tag} done at step {group.step} wrote_checkpoint={group.writes_checkpoints}", flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

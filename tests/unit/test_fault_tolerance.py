@@ -1,0 +1,81 @@
+"""FaultTolerance settings: validation at the public call, the data split across groups, lazy torchft."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+
+from minifabric import FaultTolerance, FSDPStrategy
+from tests.helpers import REPO
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"replica_group_id": 2, "num_replica_groups": 2}, "must be below num_replica_groups=2"),
+        ({"replica_group_id": -1, "num_replica_groups": 2}, "replica_group_id=-1 must be an integer >= 0"),
+        ({"replica_group_id": 0, "num_replica_groups": 0}, "num_replica_groups=0 must be an integer >= 1"),
+        ({"replica_group_id": 0, "num_replica_groups": True}, "num_replica_groups=True"),
+        (
+            {"replica_group_id": 0, "num_replica_groups": 2, "min_replica_groups": 3},
+            "no step could ever commit",
+        ),
+        ({"replica_group_id": 0, "num_replica_groups": 2, "lighthouse": "host:29510"}, "is not an address"),
+        ({"replica_group_id": 0, "num_replica_groups": 2, "timeout": 0}, "timeout=0 must be a positive"),
+        ({"replica_group_id": 0, "num_replica_groups": 2, "quorum_timeout": "1"}, "quorum_timeout='1'"),
+    ],
+)
+def test_bad_settings_raise_naming_the_value(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        FaultTolerance(**kwargs)
+
+
+def test_timeouts_become_timedeltas_and_the_lighthouse_comes_from_the_environment(monkeypatch):
+    ft = FaultTolerance(replica_group_id=1, num_replica_groups=2, timeout=5)
+    assert ft.timeout == timedelta(seconds=5) and ft.quorum_timeout == timedelta(seconds=60)
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(ValueError, match="TORCHFT_LIGHTHOUSE"):
+        ft.lighthouse_address()
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lh:29510")
+    assert ft.lighthouse_address() == "http://lh:29510"
+    explicit = FaultTolerance(replica_group_id=0, num_replica_groups=2, lighthouse="http://other:1")
+    assert explicit.lighthouse_address() == "http://other:1"
+
+
+def test_the_strategy_takes_only_fault_tolerance_settings():
+    with pytest.raises(TypeError, match=r"fault_tolerance must be a minifabric\.FaultTolerance"):
+        FSDPStrategy(fault_tolerance={"replica_group_id": 0})
+
+
+def test_each_rank_of_each_group_reads_its_own_part_of_the_data():
+    ft = FaultTolerance(replica_group_id=1, num_replica_groups=3)
+    strategy = FSDPStrategy(fault_tolerance=ft)
+    strategy.environment.set_world_size(2)
+    strategy.environment.set_global_rank(1)
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 6, "rank": 3}
+    plain = FSDPStrategy()
+    plain.environment.set_world_size(2)
+    plain.environment.set_global_rank(1)
+    assert plain.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
+    assert plain.writes_checkpoints
+
+
+def test_minifabric_imports_without_torchft_and_says_how_to_install_it():
+    code = (
+        "import sys; sys.modules['torchft'] = None\n"  # as if torchft were not installed
+        "import minifabric\n"
+        "from minifabric import FaultTolerance, FSDPStrategy\n"
+        "FSDPStrategy(fault_tolerance=FaultTolerance(replica_group_id=0, num_replica_groups=2))\n"
+        "from minifabric.strategies.replica_group import _import_torchft\n"
+        "try:\n"
+        "    _import_torchft()\n"
+        "except ImportError as err:\n"
+        "    print(err)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert "pip install 'minifabric[ft]'" in result.stdout, result.stderr
