@@ -357,10 +357,14 @@ class FSDPStrategy(Strategy):
         return self.precision.forward_context()
 
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        """Step, unless this replica group's step failed (then every rank of the group drops it)."""
+        """Step, unless this replica group's step failed (then every rank of the group drops it).
+
+        With replica groups this is where the group's ranks agree to commit (torchft's
+        ``should_commit``, a round trip to the group's manager): the one communication of the step
+        outside forward and backward.
+        """
         if self.replica_group is None or self.replica_group.commit():
             return super().optimizer_step(optimizer, **kwargs)
-        self.lifecycle.step_done()
         return None
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:

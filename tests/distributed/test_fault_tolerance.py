@@ -115,8 +115,52 @@ class Job:
             self.kill(process)
 
 
-def _records(out: Path, group: int, rank: int) -> list[dict]:
+def _lines(out: Path, group: int, rank: int) -> list[dict]:
     return [json.loads(line) for line in (out / f"g{group}r{rank}.jsonl").read_text().splitlines()]
+
+
+def _records(out: Path, group: int, rank: int) -> list[dict]:
+    """The outcome of every step attempt that got as far as ``optimizer.step()``."""
+    return [line for line in _lines(out, group, rank) if "committed" in line]
+
+
+def _batches(out: Path) -> dict[int, dict[int, list[list[int]]]]:
+    """For every committed step, the samples of each group whose gradient went into it (per rank).
+
+    A group's own committed record names its samples. When the committing group counted more
+    participants than groups that recorded a commit, the other group died after its gradient was
+    averaged in: its last attempt at that step (logged before backward) supplies the samples.
+    """
+    batches: dict[int, dict[int, list[list[int]]]] = {}
+    participants: dict[int, int] = {}
+    for group in range(2):
+        for rank in range(2):
+            for record in _records(out, group, rank):
+                if record["committed"]:
+                    batches.setdefault(record["step"], {}).setdefault(group, []).append(record["indices"])
+                    participants[record["step"]] = record["participants"]
+    for step, groups in batches.items():
+        for group in range(2):
+            if group not in groups and len(groups) < participants[step]:
+                for rank in range(2):
+                    attempts = [a for a in _lines(out, group, rank) if a.get("attempt") == step]
+                    groups.setdefault(group, []).append(attempts[-1]["indices"])
+        assert len(groups) == participants[step], (step, groups, participants[step])
+    return batches
+
+
+def _story(out: Path) -> str:
+    """Each rank's attempts (A), commits (C step/participants) and failed steps (X), for a failure message."""
+
+    def word(line: dict) -> str:
+        if "attempt" in line:
+            return f"A{line['attempt']}"
+        healed = f"h{line['healed_at']}" if line["healed_at"] else ""
+        return f"{'C' if line['committed'] else 'X'}{line['step']}/{line['participants']}{healed}"
+
+    return "\n".join(
+        f"g{g}r{r}: " + " ".join(map(word, _lines(out, g, r))) for g in range(2) for r in range(2)
+    )
 
 
 def _replay(out: Path) -> dict[str, torch.Tensor]:
@@ -126,12 +170,7 @@ def _replay(out: Path) -> dict[str, torch.Tensor]:
         import ft_group
     finally:
         sys.path.remove(str(SCRIPT.parent))
-    batches: dict[int, dict[int, list[list[int]]]] = {}  # step -> group -> per-rank indices
-    for group in range(2):
-        for rank in range(2):
-            for record in _records(out, group, rank):
-                if record["committed"]:
-                    batches.setdefault(record["step"], {}).setdefault(group, []).append(record["indices"])
+    batches = _batches(out)  # step -> group -> per-rank sample indices
     model = ft_group.build_model()
     optimizer = ft_group.build_optimizer(model)
     x_all, y_all = ft_group.data()
@@ -203,7 +242,9 @@ def test_killed_group_rejoins_heals_from_a_live_group_and_ends_equal(tmp_path: P
     # and equal the run replayed in one process from which group's batches each step averaged
     expected = _replay(tmp_path)
     final = torch.load(tmp_path / "g0r0.pt")
-    torch.testing.assert_close(final, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        final, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{m}\n{_story(tmp_path)}"
+    )
     # one group wrote the checkpoint
     assert "g0r0 done at step 16 wrote_checkpoint=True" in output
     assert "g1r0 done at step 16 wrote_checkpoint=False" in output

@@ -3,8 +3,8 @@
     python tests/scripts/ft_group.py --group 0 --lighthouse http://host:29510 --out DIR --steps 20
 
 The loop is the ordinary Accelerator loop; it stops at a number of *committed* steps (a group that
-rejoins takes the live groups' count). Every attempt is recorded in ``DIR/g{group}r{rank}.jsonl``
-(the step, whether it committed, how many groups took part, the sample indices), and at the end the
+rejoins takes the live groups' count). Every step is recorded in ``DIR/g{group}r{rank}.jsonl``: each
+attempt's samples before its backward, then whether it committed and how many groups took part, and at the end the
 full weights go to ``DIR/g{group}r{rank}.pt``, so a test can replay the run in one process.
 ``DIR/go`` must exist before the first step; with ``--hold-at S`` the group waits at step S until
 ``DIR/release`` exists (so a test can restart a group while this one is still training).
@@ -92,6 +92,10 @@ def main() -> None:
                 wait_for(args.out / "release")
             loss = nn.functional.mse_loss(model(x_all[index]), y_all[index])
             step = group.step  # read after the forward: a group that rejoins has healed by now
+            # written before backward: if this group dies after its gradients reached the others,
+            # a replay still knows which samples they came from
+            log.write(json.dumps({"attempt": step, "indices": index.tolist()}) + "\n")
+            log.flush()
             acc.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
