@@ -309,6 +309,7 @@ class _WrappedDataLoader:
         self._start = 0  # samples to skip at the next iter() (set by load_state_dict)
         self._in_epoch = False
         self._generator_state: torch.Tensor | None = None
+        self._iterated = False  # an iterator was created (persistent workers keep theirs)
 
     @property
     def dataloader(self) -> DataLoader:
@@ -336,11 +337,18 @@ class _WrappedDataLoader:
         if start:
             sampler.start_index = start  # type: ignore[union-attr]
         generator = getattr(self._dataloader, "generator", None)
-        if owns_generator(self._dataloader) and not start:
+        loader = self._dataloader
+        reused = loader.persistent_workers and loader.num_workers > 0 and self._iterated
+        if owns_generator(loader) and not start and not reused:
             # A loader without a generator of its own (Fabric's) draws its workers' base seed from
-            # the global RNG here: draw it too, so the script's random stream stays Fabric's (a
-            # pass resumed mid-epoch made that draw before the checkpoint).
+            # the global RNG when it creates an iterator (once with persistent workers): draw it
+            # too, so the script's random stream stays Fabric's (a pass resumed mid-epoch made
+            # that draw before the checkpoint).
             torch.empty((), dtype=torch.int64).random_()
+            if getattr(sampler, "shuffle", False) and getattr(sampler, "num_replicas", 0) == 1:
+                # on one process Fabric keeps the RandomSampler, which draws its own seed too
+                torch.empty((), dtype=torch.int64).random_()
+        self._iterated = True
         if not reseed_loader_generator(self._dataloader, self._epoch) and generator is not None:
             # Creating the iterator draws from the generator: keep the state from before that
             # draw, so a run resumed mid-epoch draws the same worker seeds again.

@@ -84,6 +84,30 @@ def test_setup_dataloaders_keeps_a_custom_sampler_on_one_device():
     assert results["minifabric"] == results["lightning"] == ([[9, 8, 7, 6, 5], [4, 3, 2, 1, 0]], [[9]] * 4)
 
 
+@pytest.mark.parametrize(("workers", "shuffle"), [(0, False), (1, False), (0, True)])
+def test_iterating_a_set_up_loader_leaves_the_global_stream_where_fabric_leaves_it(workers, shuffle):
+    def scenario(cls):
+        acc = cls(accelerator="cpu", devices=1)
+        cls.seed_everything(5)
+        loader = acc.setup_dataloaders(
+            DataLoader(
+                TensorDataset(torch.arange(4)),
+                batch_size=2,
+                num_workers=workers,
+                persistent_workers=workers > 0,
+            )
+        )
+        draws = []
+        for _ in range(3):
+            for _ in loader:
+                pass
+            draws.append(torch.rand(1).item())  # noise drawn in the loop, as DCGAN's generator input
+        return draws
+
+    results = _on_both(scenario)
+    assert results["minifabric"] == results["lightning"]
+
+
 # ---- 5: seed_everything is a staticmethod --------------------------------------------------------
 
 
