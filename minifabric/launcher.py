@@ -33,6 +33,7 @@ from typing import Any
 
 from minifabric import process, signals
 from minifabric.environment import find_free_port
+from minifabric.heartbeat import HOST
 
 _PARENT_PID_VAR = "MINIFABRIC_PARENT_PID"
 _POLL_SECONDS = 0.05
@@ -162,6 +163,8 @@ def _describe_exit(code: int) -> str:
             return f"was killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"was killed by signal {-code}"
+    if code == signals.INTERRUPTED_EXIT_CODE:
+        return f"exited with code {code} (interrupted: SIGINT)"
     return f"exited with code {code}"
 
 
@@ -224,7 +227,7 @@ class _Supervisor:
                 if failed:
                     rank, code = failed[0]
                     signals.write_stderr(
-                        f"[minifabric] rank {rank} {_describe_exit(code)}: stopping every rank.\n"
+                        f"[minifabric] {HOST}: rank {rank} {_describe_exit(code)}: stopping every rank.\n"
                     )
                     self._kill_all()
                     return _shell_code(code)

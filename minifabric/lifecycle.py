@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from minifabric import collectives, signals, watchdog
+from minifabric import collectives, heartbeat, signals, watchdog
 from minifabric._torch import default_store
 from minifabric.environment import destroy_process_group, exit_barrier_group, init_process_group
 from minifabric.launcher import die_with_parent
@@ -81,10 +81,12 @@ class Lifecycle:
             self._stop_group = dist.new_group(backend="gloo", timeout=timeout)
             self._exit_group = exit_barrier_group()
             watchdog.start(default_store(), dist.get_rank(), timeout.total_seconds())
+            heartbeat.start(default_store(), dist.get_rank(), self._world_size)
 
     def leave(self) -> None:
         """Leave the process group together with the other ranks (bounded wait)."""
         watchdog.stop()
+        heartbeat.stop()
         destroy_process_group(self._exit_group)
 
     # ---- the loop ----------------------------------------------------------------------------

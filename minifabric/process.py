@@ -41,6 +41,23 @@ def set_excepthook(hook: Callable[..., Any]) -> Callable[[], None]:
     return undo
 
 
+def set_thread_excepthook(hook: Callable[[threading.ExceptHookArgs], Any]) -> Callable[[], None]:
+    """Make ``hook`` the process's ``threading.excepthook``; return a function that restores the previous one.
+
+    Why: by default an exception in a thread the user started prints a traceback and ends only
+    that thread, and training goes on without it (a data-loading thread, a logger). A rank ends
+    instead, as for an exception in the main thread, so the run does not go on half-broken.
+    """
+    previous = threading.excepthook
+    threading.excepthook = hook
+
+    def undo() -> None:
+        if threading.excepthook is hook:
+            threading.excepthook = previous
+
+    return undo
+
+
 def in_main_thread() -> bool:
     """Whether this is the main thread (the only one that may install signal handlers)."""
     return threading.current_thread() is threading.main_thread()

@@ -12,8 +12,10 @@ where the user has not installed their own.
   sees at the next read of ``should_stop`` (the read is the agreement), so the loop saves and exits
   on every rank at the same step. Before that (a script that never asks), the signal ends the
   process as it would without minifabric. A second signal always ends it.
-- **Uncaught exceptions**: ``[minifabric] rank R failed with ...`` and the traceback, once; a rank
-  that only lost the connection to a rank that failed first prints one line instead.
+- **Uncaught exceptions** (also in a thread the user started): ``[minifabric] HOST: rank R failed
+  with ...`` and the traceback, once, and the cause is posted for the other ranks
+  (:mod:`minifabric.heartbeat`); a rank that only lost the connection to a rank that failed first
+  prints one line naming that rank instead.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import NoReturn
 
-from minifabric import process
+from minifabric import heartbeat, process
+from minifabric.heartbeat import HOST
 from minifabric.process import write_stderr
 
 __all__ = ["write_stderr"]  # re-exported: callers report through this module
@@ -126,6 +129,8 @@ def install(rank: int | None = None, describe: Callable[[], str] | None = None) 
 
         _hook = hook
     process.set_excepthook(_hook)
+    process.set_thread_excepthook(_thread_excepthook)
+    heartbeat.quiet_while(ending_badly)
     if process.in_main_thread():
         if process.signal_handler(signal.SIGINT) is signal.default_int_handler:
             process.set_signal_handler(signal.SIGINT, _on_interrupt)
@@ -156,9 +161,11 @@ _exit_lock = threading.Lock()
 
 def _interrupt_exit() -> None:
     _exit_lock.acquire()  # the grace timer and the main thread may both get here: print once
+    heartbeat.post_fault(f"rank {_process.rank} (host {HOST}, pid {os.getpid()}) was interrupted (SIGINT)")
     if _process.rank in (0, None):
         where = _process.describe()
-        write_stderr(f"[minifabric] interrupted{' ' + where if where else ''}\n")
+        rank = "" if _process.rank is None else f"{HOST}: rank {_process.rank} "
+        write_stderr(f"[minifabric] {rank}interrupted{' ' + where if where else ''}\n")
     process.hard_exit(INTERRUPTED_EXIT_CODE)
 
 
@@ -168,6 +175,13 @@ def _on_stop_signal(signum: int, frame: FrameType | None) -> None:
         return
     # nobody asks for a graceful stop (or this is the second signal): end as without minifabric
     _process.failed = True
+    culprit = heartbeat.culprit(wait=0.5)
+    if culprit is not None:  # e.g. torchrun's agent ending the ranks after another one failed
+        write_stderr(f"[minifabric] {HOST}: rank {_process.rank} stopped: {culprit}\n")
+    else:
+        name = signal.Signals(signum).name
+        write_stderr(f"[minifabric] {HOST}: rank {_process.rank} was ended by {name}\n")
+        heartbeat.post_fault(f"rank {_process.rank} (host {HOST}, pid {os.getpid()}) was ended by {name}")
     process.end_by_signal(signum)
 
 
@@ -194,11 +208,34 @@ def _excepthook(
     rank = "" if _process.rank is None else f" {_process.rank}"
     lost = [p for p in _PEER_LOST if isinstance(value, RuntimeError) and p in str(value)]
     if isinstance(value, PeerFailed):
-        write_stderr(f"[minifabric] rank{rank} stopped: {value}\n")
+        write_stderr(f"[minifabric] {HOST}: rank{rank} stopped: {value}\n")
     elif lost:
-        write_stderr(f"[minifabric] rank{rank} stopped: another rank ended first ({lost[0]})\n")
+        culprit = heartbeat.culprit(wait=2.0) or f"another rank ended first ({lost[0]})"
+        write_stderr(f"[minifabric] {HOST}: rank{rank} stopped: {culprit}\n")
     elif not _process.report(value):  # e.g. a collective timeout, reported with every rank's stack
-        write_stderr(f"[minifabric] rank{rank} failed with {tp.__name__}: {value}\n")
+        _report_failure(tp, value)
         tb = _visible(tb)
         previous(tp, value.with_traceback(tb), tb)
+    leave(1)
+
+
+def _report_failure(tp: type[BaseException], value: BaseException, where: str = "") -> None:
+    """Print this rank's one-line cause and post it for the other ranks."""
+    rank = "" if _process.rank is None else f" {_process.rank}"
+    text = str(value)
+    cause = f"{tp.__name__}{where}" + (f": {text}" if text else "")
+    first = f"{tp.__name__}{where}" + (f": {text.splitlines()[0]}" if text else "")
+    write_stderr(f"[minifabric] {HOST}: rank{rank} failed with {cause}\n")
+    heartbeat.post_fault(f"rank{rank} (host {HOST}, pid {os.getpid()}) failed with {first}")
+
+
+def _thread_excepthook(args: threading.ExceptHookArgs) -> None:
+    """An uncaught exception in a thread the user started ends the rank, as one in the main thread does."""
+    if args.exc_type is SystemExit:  # threading's own rule: a thread's SystemExit ends only the thread
+        return
+    _process.failed = True
+    value = args.exc_value if args.exc_value is not None else args.exc_type()
+    name = args.thread.name if args.thread is not None else "?"
+    _report_failure(args.exc_type, value, where=f" in thread {name!r}")
+    traceback.print_exception(args.exc_type, value, _visible(args.exc_traceback), file=sys.__stderr__)
     leave(1)

@@ -6,6 +6,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_module
+import signal
 import socket
 import subprocess
 import sys
@@ -212,6 +213,11 @@ class Session:
         return code, gone
 
     def kill(self) -> None:
-        subprocess.run(["kill", "-9", f"-{self.proc.pid}"], check=False, capture_output=True)
-        for pid in live_processes(self.proc.pid):
-            subprocess.run(["kill", "-9", str(pid)], check=False, capture_output=True)
+        # os.killpg/os.kill, not the kill command: procps-ng 4.0's `kill -9 -PGID` can signal
+        # processes outside the session (it ended the shell that ran the tests)
+        for pid in [self.proc.pid, *live_processes(self.proc.pid)]:
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass

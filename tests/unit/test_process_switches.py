@@ -66,8 +66,8 @@ def _violations(name: str, tree: ast.Module) -> set[tuple[str, str]]:
             for target in targets:
                 if isinstance(target, ast.Attribute):
                     owner = target.value.id if isinstance(target.value, ast.Name) else None
-                    if owner == "sys" and target.attr == "excepthook":
-                        found.add((name, "assigns sys.excepthook"))
+                    if owner in ("sys", "threading") and target.attr == "excepthook":
+                        found.add((name, f"assigns {owner}.excepthook"))
                     if target.attr == "__class__" and owner != "self":
                         found.add((name, f"swaps the class of a live object ({owner}.__class__)"))
         elif isinstance(node, ast.Call):
@@ -125,6 +125,7 @@ from torch.utils import _pytree
 from torch.serialization import set_crc32_options
 from ..checkpoint import options
 sys.excepthook = print
+threading.excepthook = print
 signal.signal(2, print)
 atexit.register(print)
 atexit._run_exitfuncs()
@@ -138,6 +139,7 @@ self.__class__ = object
     found = {what for _, what in _violations("minifabric/strategies/x.py", ast.parse(source))}
     assert found == {
         "assigns sys.excepthook",
+        "assigns threading.excepthook",
         "calls signal.signal",
         "calls atexit.register",
         "calls atexit._run_exitfuncs",

@@ -1,0 +1,118 @@
+"""The fault catalogue: each fault on one rank at one step ends every rank, names the rank, keeps the checkpoint.
+
+Every case runs ``tests/scripts/faults.py`` in a new session (so the test sees, and stops, every
+process of the run) under ``minifabric run``, torchrun or ``acc.launch()``. The faulty rank and
+step are drawn at random (seeded by the case, so a failure reproduces). Each case checks:
+
+- every process of the run is gone within 10 s of the fault (a silent rank: within the heartbeat
+  timeout, here 4 s, plus those 10 s), and the run's exit code is non-zero;
+- the first ``[minifabric]`` line names the faulty rank, its host and the cause;
+- the checkpoint committed at step 2 loads, and nothing half-written is left beside it.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from minifabric import Accelerator
+from tests.helpers import PYTHON, REPO, Session
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+
+SCRIPT = str(REPO / "tests" / "scripts" / "faults.py")
+HEARTBEAT = 4  # seconds (MINIFABRIC_HEARTBEAT_TIMEOUT in the tests; the default is 60)
+GONE_SECONDS = 10
+START_SECONDS = 150  # start-up of the ranks on a loaded 2-core machine
+HOST = socket.gethostname()
+
+#: what the first line says about each fault
+CAUSES = {
+    "sigkill": r"SIGKILL|ended without a report",
+    "sigterm": r"SIGTERM",
+    "sigint": r"SIGINT|interrupted",
+    "sigsegv": r"SIGSEGV|ended without a report",
+    "sigabrt": r"SIGABRT|ended without a report",
+    "sigstop": r"sent no heartbeat for \d+s: stopped \(SIGSTOP\) or hung in a call that holds the GIL",
+    "gil": r"sent no heartbeat for \d+s: stopped \(SIGSTOP\) or hung in a call that holds the GIL",
+    "thread": r"failed with RuntimeError in thread 'user-worker': planned failure in a background thread",
+    "oom": r"failed with MemoryError",
+    "disk": r"failed with CheckpointError: Saving the checkpoint .* failed",
+}
+SILENT = {"sigstop", "gil"}
+
+CASES = [
+    *[("minifabric-run", "ddp", 2, fault) for fault in CAUSES],
+    *[("minifabric-run", "fsdp", 2, fault) for fault in ("sigkill", "sigsegv", "gil", "thread", "disk")],
+    *[("torchrun", "ddp", 2, fault) for fault in ("sigkill", "sigstop", "sigabrt", "oom")],
+    *[("launch", "fsdp", 2, fault) for fault in ("sigkill", "sigterm", "sigint")],
+    ("minifabric-run", "fsdp", 4, "sigstop"),
+]
+
+
+def _command(launcher: str, world: int, args: list[str]) -> list[str]:
+    if launcher == "minifabric-run":
+        return [PYTHON, "-m", "minifabric", "run", "--devices", str(world), SCRIPT, *args]
+    if launcher == "torchrun":
+        return [PYTHON, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--monitor-interval=0.1",
+                "--standalone", SCRIPT, *args]  # fmt: skip
+    return [PYTHON, SCRIPT, *args, str(world)]
+
+
+def _first_report(output: str) -> str:
+    lines = [line for line in output.splitlines() if line.startswith("[minifabric]")]
+    assert lines, output
+    return lines[0]
+
+
+def _culprit(line: str) -> tuple[int, str]:
+    """The rank and host a report line blames: its own, or the one after ``stopped:``."""
+    blamed = re.search(r"stopped: rank (\d+) \(host (\S+), pid \d+\)", line)
+    if blamed:
+        return int(blamed.group(1)), blamed.group(2)
+    own = re.match(r"\[minifabric\] (\S+): rank (\d+) ", line)
+    assert own, line
+    return int(own.group(2)), own.group(1)
+
+
+def _committed_step(ckpt: Path) -> int:
+    acc = Accelerator(accelerator="cpu", devices=1)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    state = {"model": model, "step": 0}
+    acc.load(ckpt, state)
+    return state["step"]
+
+
+@pytest.mark.parametrize(
+    ("launcher", "strategy", "world", "fault"), CASES, ids=["-".join(map(str, case)) for case in CASES]
+)
+def test_a_fault_on_one_rank_ends_every_rank_and_names_it(tmp_path, launcher, strategy, world, fault):
+    draw = random.Random(f"{launcher}-{strategy}-{world}-{fault}")
+    rank, step = draw.randrange(world), draw.randint(3, 5)
+    if fault == "disk" and strategy == "ddp":
+        rank = 0  # a DDP checkpoint is one file that rank 0 writes: only its disk can fill up
+    env = {"MINIFABRIC_HEARTBEAT_TIMEOUT": str(HEARTBEAT)}
+    run = Session(_command(launcher, world, [fault, str(rank), str(step), strategy, str(tmp_path)]), env=env)
+    try:
+        run.wait_for("FAULT at=", timeout=START_SECONDS)
+        fault_at = float(re.search(r"FAULT at=(\S+)", run.output).group(1))
+        code, gone = run.finish(timeout=60)
+    finally:
+        run.kill()  # whatever is left (nothing, when the case passes)
+    context = f"rank {rank} at step {step}:\n{run.output}"
+    assert code != 0, context
+    limit = GONE_SECONDS + (HEARTBEAT if fault in SILENT else 0)
+    assert gone - fault_at < limit, context
+    first = _first_report(run.output)
+    assert re.search(CAUSES[fault], first), context
+    if fault == "disk":  # every rank fails the save together; the message names the rank it came from
+        assert f"rank {rank}: " in first and first.startswith(f"[minifabric] {HOST}: "), context
+    else:
+        assert _culprit(first) == (rank, HOST), context
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"], context  # nothing half-written beside it
+    assert _committed_step(tmp_path / "ckpt") == 2, context
