@@ -3,7 +3,8 @@
 A :class:`Lifecycle` belongs to a strategy. It joins the default process group with the
 collective timeout, creates two small gloo groups of its own (one for the stop agreement, one for
 the bounded barrier at exit), counts optimizer steps and remembers the last committed checkpoint
-for the Ctrl-C message, and leaves the group at exit unless the process is ending with an error.
+for the Ctrl-C message, starts the hang watchdog and the heartbeat (:mod:`minifabric.heartbeat`),
+and leaves the group at exit unless the process is ending with an error.
 
 The stop agreement is the read of ``should_stop`` itself: with several processes it is one tiny
 all-reduce on the stop group, so every rank must read it at the same point of the loop (as every
