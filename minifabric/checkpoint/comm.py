@@ -77,13 +77,19 @@ class Comm:
 
     @contextmanager
     def agreed(
-        self, context: str, outcome: str = "", on_failure: Callable[[], None] | None = None
+        self,
+        context: str,
+        outcome: str = "",
+        on_failure: Callable[[], None] | None = None,
+        shared: dict[str, Any] | None = None,
     ) -> Iterator[None]:
         """Run the body of one phase, then agree on its outcome (collective: every rank enters it).
 
         Whatever the body raises (any exception: DCP's derives from ``BaseException``) is shared;
         if any rank failed, ``on_failure`` runs on every rank (e.g. removing a staging folder) and
-        every rank raises the same :class:`CheckpointError` (see :meth:`agree`).
+        every rank raises the same :class:`CheckpointError` (see :meth:`agree`). With ``shared``,
+        the agreement also carries ``shared["value"]`` (set by the body) from every rank: after it,
+        ``shared["all"]`` lists them in rank order (one collective for both).
 
         Example:
             >>> with comm.agreed("Loading 'ckpt' failed", "; nothing was changed."):  # doctest: +SKIP
@@ -95,18 +101,23 @@ class Comm:
         except BaseException as err:  # shared with the other ranks below, whatever it is
             error = err
         try:
-            self.agree(error, context, outcome)
+            values = self.agree(error, context, outcome, shared.get("value") if shared is not None else None)
         except CheckpointError:
             if on_failure is not None:
                 on_failure()
             raise
+        if shared is not None:
+            shared["all"] = values
 
-    def agree(self, error: BaseException | None, context: str = "", outcome: str = "") -> None:
+    def agree(
+        self, error: BaseException | None, context: str = "", outcome: str = "", value: Any = None
+    ) -> list[Any]:
         """Raise the same error on every rank if any rank failed (collective: every rank must call it).
 
         A :class:`CheckpointError` keeps its own message; any other failure becomes
         ``"{context} (rank 1: ValueError: ...){outcome}"``, naming each failing rank's cause once. A
-        refused ``state`` value raises :class:`UnsaveableValueError` (also a ``TypeError``).
+        refused ``state`` value raises :class:`UnsaveableValueError` (also a ``TypeError``). Returns
+        every rank's ``value``, in rank order.
         """
         if isinstance(error, KeyboardInterrupt):
             raise error
@@ -118,9 +129,10 @@ class Comm:
             if getattr(error, "failures", None) is None:
                 text = f"rank {self.rank}: {text}"
             mine = (False, False, text)
-        failed = [e for e in self.all_gather(mine) if e is not None]
+        gathered = self.all_gather((mine, value))
+        failed = [e for e, _ in gathered if e is not None]
         if not failed:
-            return
+            return [v for _, v in gathered]
         own = list(dict.fromkeys(text for _, is_own, text in failed if is_own))
         causes = list(dict.fromkeys(text for _, is_own, text in failed if not is_own))
         if causes:

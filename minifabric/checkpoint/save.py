@@ -83,12 +83,13 @@ class Job:
     staging: commits.Staging | None = None
     work: Path | None = None  # the staging folder, on every rank (sharded)
 
-    def agreed(self) -> AbstractContextManager[None]:
+    def agreed(self, shared: dict[str, Any] | None = None) -> AbstractContextManager[None]:
         """The agreement that ends each stage; a failure removes the staging folder first."""
         return self.comm.agreed(
             f"Saving the checkpoint {str(self.path)!r} failed",
             "; the previous checkpoint at that path is intact.",
             on_failure=self._abort,
+            shared=shared,
         )
 
     def _abort(self) -> None:
@@ -103,6 +104,10 @@ class Payload:
 
     tensors: dict[str, torch.Tensor] | None
     record: dict[str, Any] | None
+    pending: tuple[BaseException | None, Any] = (
+        None,
+        None,
+    )  # a collect error to agree on, this rank's record
 
 
 def prepare(
@@ -114,9 +119,11 @@ def prepare(
     """
     job = Job(comm, path, form, kinds(state), keep_last, filter)
     record = None
-    with job.agreed():
+    shared: dict[str, Any] = {}
+    with job.agreed(shared):
         if comm.is_zero:
             job.staging = _prepare_target(path, form)
+            shared["value"] = str(job.staging.work) if job.staging is not None else None
         stateful = {
             k: _filtered(k, state[k].state_dict(), filter)
             for k, kind in job.kinds.items()
@@ -126,7 +133,7 @@ def prepare(
         values.update({f"state[{k!r}].state_dict()": v for k, v in stateful.items()})
         refuse_unloadable(values)
         record = {"rng": rng.capture(), "stateful": stateful}
-    work = comm.broadcast(str(job.staging.work) if job.staging is not None else None)
+    work = shared["all"][0]  # rank 0's staging folder
     job.work = Path(work) if work is not None else None
     return job, record
 
@@ -155,11 +162,16 @@ def writable_file_error(path: Path) -> str | None:
     return commits.unwritable_parent_error(path)
 
 
-def collect(job: Job, state: dict[str, Any], record: Any) -> Payload:
-    """Stage 2: the state dicts and the metadata (collective under FSDP with a full checkpoint)."""
+def collect(job: Job, state: dict[str, Any], record: Any, *, agree: bool = True) -> Payload:
+    """Stage 2: the state dicts and the metadata (collective under FSDP with a full checkpoint).
+
+    The agreement that ends it also gathers every rank's record into the metadata. With
+    ``agree=False`` (a background save) it is left to :func:`agree_collected`, which the background
+    thread runs together with the agreement on its CPU copy: the call returns after one collective.
+    """
     comm = job.comm
-    payload = Payload(None, None)
-    with job.agreed():
+    payload = Payload(None, None, pending=(None, record))
+    try:
         full = job.form == "full"
         collected = _state_dicts(state, record["stateful"], full, comm.rank, comm.world_size, job.filter)
         meta = {
@@ -168,11 +180,35 @@ def collect(job: Job, state: dict[str, Any], record: Any) -> Payload:
             "world_size": comm.world_size,
             "kinds": job.kinds,
             "tied": {k: tied_groups(v) for k, v in state.items() if job.kinds[k] == "module"},
-            "ranks": comm.gather(record),
+            "ranks": None,  # every rank's record, gathered by the agreement
         }
         tree, tensors = (collected, None) if full else _split_entries(collected, job.kinds)
-        payload = Payload(tensors, {FORMAT_KEY: meta, "state": tree} if comm.is_zero else None)
+        payload = Payload(
+            tensors, {FORMAT_KEY: meta, "state": tree} if comm.is_zero else None, (None, record)
+        )
+    except BaseException as err:  # raised on every rank by the agreement
+        payload.pending = (err, record)
+    if agree:
+        agree_collected(job, payload)
     return payload
+
+
+def agree_collected(job: Job, payload: Payload, copy: Callable[[Payload], Payload] | None = None) -> Payload:
+    """End stage 2 (and, for a background save, its CPU copy): agree, and gather the ranks' records.
+
+    Returns the payload to write: ``copy(payload)`` where given (taken inside the agreement, so a
+    copy that fails on one rank fails the save on every rank).
+    """
+    error, record = payload.pending
+    shared: dict[str, Any] = {"value": record}
+    out = payload
+    with job.agreed(shared):
+        if error is not None:
+            raise error
+        out = copy(payload) if copy is not None else payload
+    if out.record is not None:
+        out.record[FORMAT_KEY]["ranks"] = shared["all"]
+    return out
 
 
 def write(job: Job, payload: Payload) -> None:

@@ -133,7 +133,7 @@ class Checkpointer:
         if form not in ("full", "sharded"):
             raise ValueError(f'state_dict_type={form!r} is not supported. Use "sharded" or "full".')
         job, record = saving.prepare(self.comm, path, state, form, keep_last, filter or {})
-        payload = saving.collect(job, state, record)
+        payload = saving.collect(job, state, record, agree=not asynchronous)
         if not asynchronous:
             saving.write(job, payload)
             saving.commit(job, payload)
@@ -141,10 +141,12 @@ class Checkpointer:
         copied = threading.Event()
         self._hooks += hold_state_changes(copied, [v for v in state.values() if isinstance(v, nn.Module)])
 
+        def copy(collected: saving.Payload) -> saving.Payload:
+            return saving.Payload(*stage((collected.tensors, collected.record), self._buffers))
+
         def in_background() -> None:
-            try:
-                with job.agreed():  # a copy that fails on one rank fails the save on every rank
-                    staged = saving.Payload(*stage((payload.tensors, payload.record), self._buffers))
+            try:  # a copy that fails on one rank fails the save on every rank
+                staged = saving.agree_collected(job, payload, copy)
             finally:
                 copied.set()
             saving.write(job, staged)
