@@ -100,3 +100,17 @@ def test_shards_are_written_without_crc32_and_read_back(tmp_path: Path) -> None:
     acc.load(tmp_path / "ckpt", {"model": fresh})
     assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
     assert torch.serialization.get_crc32_options()
+
+
+def test_the_core_save_and_load_path_does_not_import_the_hugging_face_package() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, minifabric.checkpoint.service, minifabric.checkpoint.save, minifabric.checkpoint.load;"
+        " print(sorted(m for m in sys.modules if m.startswith('minifabric.checkpoint.hf')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
