@@ -72,6 +72,7 @@ def meta_init_context(verify: bool = False, keep: tuple[int, int] | None = None)
         with module_registration_hooks(on_parameter, on_buffer), recorder:
             with noting_constructions() if verify else nullcontext():
                 yield
+        recorder.settle()
     finally:
         recorder.release()
         _RECORDER.reset(token)

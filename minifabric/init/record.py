@@ -105,6 +105,11 @@ class Recorder(TorchFunctionMode):
         self._scratch_bytes: torch.Tensor | None = None  # reused: page-faulted once, not per parameter
         self._alive: list[torch.Tensor] = []  # tracked meta tensors: their storages are never reused
         self._by_storage: dict[int, list[tuple[torch.Tensor, Handle]]] = {}
+        # id of a tracked tensor (kept alive by `_alive`) -> its memory layout when tracked, and
+        # layout -> handle: `Tensor.set_` and `torch.utils.swap_tensors` replace a tensor's data
+        # without reaching this mode, which `lookup` notices by the layout.
+        self._layouts: dict[int, tuple] = {}
+        self._by_layout: dict[tuple, Handle] = {}
         self.paused = 0
 
     @contextmanager
@@ -127,11 +132,16 @@ class Recorder(TorchFunctionMode):
         RECORDS[t] = handle
         self._alive.append(t)
         self._by_storage.setdefault(storage_key(t), []).append((t, handle))
+        if t.is_meta:
+            self._layouts[id(t)] = _layout(t)
+            self._by_layout[_layout(t)] = handle
         return handle
 
     def lookup(self, t: Any) -> Handle | None:
         """The handle of ``t``: its own, or that of a tracked tensor viewing the same memory the same way."""
         handle = handle_of(t)
+        if handle is not None and t.is_meta and self._layouts.get(id(t), _layout(t)) != _layout(t):
+            return self._data_replaced(t)
         if handle is not None or not isinstance(t, torch.Tensor) or not t.is_meta:
             return handle
         for known, known_handle in self._by_storage.get(storage_key(t), ()):
@@ -141,8 +151,33 @@ class Recorder(TorchFunctionMode):
                 t.storage_offset(),
             ):
                 RECORDS[t] = known_handle
+                self._alive.append(t)
+                self._layouts[id(t)] = _layout(t)
                 return known_handle
         return None
+
+    def _data_replaced(self, t: torch.Tensor) -> Handle:
+        """``t``'s data was replaced unseen (``Tensor.set_``, ``torch.utils.swap_tensors``): follow it.
+
+        Its new data is that of a tracked tensor (``original.set_(new)`` in
+        ``register_parametrization``, a swap of two tracked tensors): ``t`` now shares that record,
+        as it shares that memory. Otherwise its value is unknown: marked, and refused at ``setup``.
+        """
+        handle = self._by_layout.get(_layout(t))
+        if handle is None:
+            base = Base(t.shape, t.dtype, "computed")
+            base.problem = (
+                "had its data replaced by a call that torch does not let minifabric record"
+                " (`Tensor.set_` or `torch.utils.swap_tensors` with a tensor of unknown value)"
+            )
+            handle = Handle(base)
+        return self.track(t, handle)
+
+    def settle(self) -> None:
+        """At the end of the context: bring every tracked tensor's record up to date (see ``lookup``)."""
+        for t in self._alive:
+            if t.is_meta:
+                self.lookup(t)
 
     # ---- the mode ------------------------------------------------------------------------------
 
@@ -312,6 +347,7 @@ class Recorder(TorchFunctionMode):
             return _DATA_SET(target, value)
         _DATA_SET(target, value if value.is_meta else value.to("meta"))
         if source is not None and source.base is handle.base and not source.chain:
+            self._layouts[id(target)] = _layout(target)
             return None
         base = Base(value.shape, value.dtype, "computed")
         try:
@@ -409,6 +445,10 @@ class Recorder(TorchFunctionMode):
                 " `nn.LazyLinear(out_features)`), or build this model with"
                 " `acc.init_module(empty_init=False)` and run one forward before `setup`."
             )
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return (storage_key(t), t.shape, t.stride(), t.storage_offset())
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
