@@ -15,6 +15,8 @@ code is new or changed, not in every run.
 from __future__ import annotations
 
 import os
+import random
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager as ContextManager
@@ -42,6 +44,7 @@ class _Construction:
     kwargs: dict
     rng_before: torch.Tensor
     rng_after: torch.Tensor | None = None
+    host_before: tuple = ()  # Python's and numpy's global random states before construction
 
 
 #: model built with the self-check on -> how it was built
@@ -67,7 +70,9 @@ def noting_constructions() -> Iterator[None]:
 
     def on_start(module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not stack:
-            _BUILT[module] = _Construction(type(module), args, kwargs, torch.get_rng_state())
+            _BUILT[module] = _Construction(
+                type(module), args, kwargs, torch.get_rng_state(), host_before=_host_rng_state()
+            )
         stack.append(module)
 
     def on_end(module: nn.Module) -> None:
@@ -77,6 +82,34 @@ def noting_constructions() -> Iterator[None]:
 
     with module_construction_hook(on_start, on_end):
         yield
+
+
+def _host_rng_state() -> tuple:
+    numpy = sys.modules.get("numpy")  # imported by the model code if it draws from it
+    return (random.getstate(), numpy.random.get_state() if numpy is not None else None)
+
+
+@contextmanager
+def _host_rng(state: tuple) -> Iterator[None]:
+    """Inside, Python's and numpy's global random states are ``state``; afterwards, what they were.
+
+    The eager rebuild draws from them as the first construction did (an init that uses
+    ``np.random``), and the user's streams after ``setup`` are as without the self-check.
+    """
+    saved = _host_rng_state()
+
+    def restore(to: tuple) -> None:
+        if to:
+            random.setstate(to[0])
+            numpy = sys.modules.get("numpy")
+            if numpy is not None and to[1] is not None:
+                numpy.random.set_state(to[1])
+
+    restore(state)
+    try:
+        yield
+    finally:
+        restore(saved)
 
 
 def wants_check(module: nn.Module) -> bool:
@@ -107,7 +140,12 @@ def self_check(
             stacklevel=3,
         )
         return None
-    with torch.random.fork_rng(devices=[]), build_context(), torch.device("cpu"):
+    with (
+        torch.random.fork_rng(devices=[]),
+        _host_rng(built.host_before),
+        build_context(),
+        torch.device("cpu"),
+    ):
         torch.set_rng_state(built.rng_before)
         eager = built.cls(*built.args, **built.kwargs)
         after = torch.get_rng_state()

@@ -189,3 +189,31 @@ def test_data_replaced_unseen_with_an_unknown_value_is_refused_naming_the_call()
         model = _SetToNothing()
     with pytest.raises(ValueError, match=r"'l\.weight'.*`Tensor\.set_`.*empty_init=False"):
         acc.setup(model)
+
+
+class _NumpyAndRandom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        import random
+
+        self.l = nn.Linear(4, 3)
+        with torch.no_grad():
+            self.l.bias.copy_(torch.from_numpy(np.random.rand(3).astype(np.float32)))
+            self.l.weight.fill_(random.random())
+
+
+def test_the_self_check_rebuilds_from_the_numpy_and_python_random_states_and_restores_them() -> None:
+    """An init drawing from ``np.random`` / ``random`` passes the self-check, which leaves their streams as it found them."""
+    import random
+
+    acc = Accelerator(accelerator="cpu", devices=1)
+    streams = []
+    for verify in (False, True):
+        torch.manual_seed(0)
+        np.random.seed(0)
+        random.seed(0)
+        with acc.init_module(empty_init=True, verify=verify):
+            model = _NumpyAndRandom()
+        acc.setup(model)  # with verify: builds it again eagerly and compares
+        streams.append((np.random.rand(), random.random(), torch.rand(1).item()))
+    assert streams[0] == streams[1]
