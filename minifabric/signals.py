@@ -178,7 +178,7 @@ def _on_stop_signal(signum: int, frame: FrameType | None) -> None:
     culprit = heartbeat.culprit(wait=0.5)
     if culprit is not None:  # e.g. torchrun's agent ending the ranks after another one failed
         write_stderr(f"[minifabric] {HOST}: rank {_process.rank} stopped: {culprit}\n")
-    else:
+    elif _process.rank is not None:  # one rank of several: say which one ended (one process: silent)
         name = signal.Signals(signum).name
         write_stderr(f"[minifabric] {HOST}: rank {_process.rank} was ended by {name}\n")
         heartbeat.post_fault(f"rank {_process.rank} (host {HOST}, pid {os.getpid()}) was ended by {name}")
