@@ -207,6 +207,8 @@ class Recorder(TorchFunctionMode):
             return result
         if _is_accessor(func, _DATA, "__set__"):
             return self._set_data(args[0], args[1])
+        if func is torch.Tensor.numpy:
+            return self._numpy(args[0], kwargs)
         if isinstance(func, FunctionType):
             found = torch_init_call(skip_files=(__file__,))
             if found is not None and found[0].__name__ == func.__name__:
@@ -357,6 +359,16 @@ class Recorder(TorchFunctionMode):
         RECORDS.pop(target, None)
         self.track(target, base)
         return None
+
+    def _numpy(self, t: torch.Tensor, kwargs: dict) -> Any:
+        """``w.detach().numpy()`` of a tracked tensor: its value so far, as an array that refuses writes.
+
+        In eager construction the array shares the tensor's memory; a write through it would change
+        the tensor unseen, so the array is read-only (numpy raises at the write).
+        """
+        array = resolver()(self._ref(t)).numpy(**{k: v for k, v in kwargs.items() if k != "force"})
+        array.flags.writeable = False
+        return array
 
     def _derived(self, func: Callable, name: str, args: tuple, kwargs: dict, tracked: list) -> Any:
         try:

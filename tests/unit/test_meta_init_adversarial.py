@@ -110,9 +110,28 @@ class SeedsAndLoops(nn.Module):
             self.c = nn.Linear(4, 3)
 
 
+class ReadsAsNumpy(nn.Module):
+    """``.numpy()`` of a parameter (meta tensors have no numpy form): its value so far."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.b.weight.data = torch.from_numpy(self.a.weight.detach().numpy() * 2)
+        nn.init.zeros_(self.a.weight)
+
+
 CASES = {
     c.__name__: c
-    for c in (SetToDerived, Orthogonal, RemoveParametrizations, Idioms, TorchLayers, SeedsAndLoops)
+    for c in (
+        SetToDerived,
+        Orthogonal,
+        RemoveParametrizations,
+        ReadsAsNumpy,
+        Idioms,
+        TorchLayers,
+        SeedsAndLoops,
+    )
 }
 
 
@@ -217,3 +236,12 @@ def test_the_self_check_rebuilds_from_the_numpy_and_python_random_states_and_res
         acc.setup(model)  # with verify: builds it again eagerly and compares
         streams.append((np.random.rand(), random.random(), torch.rand(1).item()))
     assert streams[0] == streams[1]
+
+
+def test_a_write_through_the_numpy_form_of_a_meta_parameter_is_refused() -> None:
+    """In eager construction the array aliases the parameter: a write through it cannot be recorded."""
+    acc = Accelerator(accelerator="cpu", devices=1)
+    with acc.init_module(empty_init=True):
+        layer = nn.Linear(4, 4)
+        with pytest.raises(ValueError, match="read-only"):
+            layer.weight.detach().numpy()[:] = 1.0
