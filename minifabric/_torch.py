@@ -46,6 +46,7 @@ __all__ = [
     "storage_key",
     "swap_module_tensors",
     "swapping_module_params",
+    "tensor_version",
     "torch_init_call",
     "track_scheduler_steps",
     "tree_flatten",
@@ -291,6 +292,14 @@ def storage_key(t: torch.Tensor) -> int:
         return t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):
         return id(t)
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """The count of in-place writes to ``t`` and its views (torch's version counter; meta tensors too).
+
+    Writes through ``t.data`` are not counted: ``.data`` is an alias with a counter of its own.
+    """
+    return t._version
 
 
 @contextmanager

@@ -5,7 +5,9 @@ memory) and every init the model's ``__init__`` applies to it (``self.apply(_ini
 ``nn.init.*``, ``w.data.normal_()``, ``reset_parameters()``) is recorded by a
 :class:`~minifabric.init.record.Recorder`. Buffers computed in ``__init__`` are created for real, as
 in eager construction. :func:`~minifabric.init.materialize.materialize` turns the records into
-values at ``setup``.
+values at ``setup``. When the context ends, each tracked tensor's version counter is noted: an
+in-place write after that (``nn.init.normal_(model.weight)`` between the block and ``setup``) is
+not recorded, and ``setup`` refuses it instead of silently replaying the constructor's init.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from contextvars import ContextVar
 import torch
 from torch import nn
 
-from minifabric._torch import module_registration_hooks
-from minifabric.init.recipe import RECORDS, Base, Handle, handle_of, module_record
+from minifabric._torch import module_registration_hooks, tensor_version
+from minifabric.init.recipe import RECORDS, SEALED, Base, Handle, handle_of, module_record
 from minifabric.init.record import Recorder
 from minifabric.init.verify import noting_constructions
 
@@ -76,6 +78,18 @@ def meta_init_context(verify: bool = False, keep: tuple[int, int] | None = None)
     finally:
         recorder.release()
         _RECORDER.reset(token)
+        if _RECORDER.get() is None:  # the outermost context: what is written from now on is not recorded
+            _seal()
+
+
+def _seal() -> None:
+    """Note each tracked tensor's version counter: ``setup`` refuses one written after this point.
+
+    A tensor sealed by an earlier context keeps its first count (a write between the two is lost too).
+    """
+    for t in list(RECORDS.keys()):
+        if t not in SEALED:
+            SEALED[t] = tensor_version(t)
 
 
 def _remember(module: nn.Module, name: str, handle: Handle | None) -> None:

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from minifabric._torch import swap_module_tensors
-from minifabric.init.recipe import Handle, Real, Ref, forget_records, handle_of, module_record
+from minifabric._torch import swap_module_tensors, tensor_version
+from minifabric.init.recipe import SEALED, Handle, Real, Ref, forget_records, handle_of, module_record
 from minifabric.init.replay import apply_chain, evaluate, resolver
 
 #: (module, attribute name, is a parameter, recorded init) for every meta tensor of a model.
@@ -94,6 +94,9 @@ def recorded_places(module: nn.Module) -> list[Place]:
                         " `acc.init_module(empty_init=True)`, so its init is unknown. Build the whole model"
                         " inside it: `with acc.init_module(empty_init=True): model = Model()`."
                     )
+                sealed = SEALED.get(t)
+                if sealed is not None and tensor_version(t) != sealed:
+                    raise ValueError(_changed_after(prefix, name, where))
                 base = handle.base
                 if base.problem is not None:
                     raise ValueError(
@@ -114,6 +117,19 @@ def recorded_places(module: nn.Module) -> list[Place]:
                     )
                 places.append((sub, name, is_param, handle))
     return places
+
+
+def _changed_after(prefix: str, name: str, where: str) -> str:
+    qualified = f"{prefix}.{name}" if prefix else name
+    return (
+        f"The {where} was changed in place after `init_module(empty_init=True)` ended (e.g."
+        f" `nn.init.normal_(model.{qualified})` or a `reset_parameters()` call between the block and"
+        " `setup`). It is still on the meta device, where that write does nothing and is not recorded, so"
+        " `setup` cannot reproduce it. Move the init into the block, right after constructing the model:"
+        " `with acc.init_module(empty_init=True): model = Model(); init_weights(model)`; or build it with"
+        " `acc.init_module(empty_init=False)`. To load weights into a meta-built model, use"
+        " `model.load_state_dict(state, assign=True)`."
+    )
 
 
 def _value(handle: Handle) -> torch.Tensor:

@@ -8,7 +8,8 @@ is a :class:`Handle` (the base and the chain of view calls). Ops refer to what t
 copied when it was read).
 
 Which tensor has which handle is kept in :data:`RECORDS` (a registry with weak keys: nothing is
-stored on the tensors themselves), and by module and attribute name in a :class:`ModuleRecord`,
+stored on the tensors themselves; :data:`SEALED` beside it keeps each one's version counter at the
+end of its ``init_module``), and by module and attribute name in a :class:`ModuleRecord`,
 for when torch's ``fully_shard`` or ``copy.deepcopy`` replaces the tensor objects before ``setup``.
 """
 
@@ -98,6 +99,9 @@ class Real:
 
 #: tracked tensor -> its handle (weak keys, by identity: a tensor's ``==`` is elementwise).
 RECORDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: tracked tensor -> its version counter when its ``init_module`` ended: a write after that (not
+#: recorded, so lost at ``setup``) changes the counter and is refused at ``setup``.
+SEALED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 _MODULE_RECORD_ATTR = "_minifabric_init_record"
 
@@ -132,5 +136,6 @@ def forget_records(module: nn.Module) -> None:
     """Drop what was recorded for ``module``'s tensors (after they were materialized)."""
     for t in (*module.parameters(), *module.buffers()):
         RECORDS.pop(t, None)
+        SEALED.pop(t, None)
     for sub in module.modules():
         sub.__dict__.pop(_MODULE_RECORD_ATTR, None)

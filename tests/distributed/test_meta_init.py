@@ -120,3 +120,21 @@ def never_initialized_on_ranks(rank: int, world_size: int) -> str:
 def test_an_init_that_cannot_be_reproduced_raises_on_every_rank() -> None:
     for message in run_distributed(never_initialized_on_ranks, 2, 2, timeout=120):
         assert "parameter 'weight' of NoInit" in message and "never initialized" in message
+
+
+def init_after_the_block_on_ranks(rank: int, world_size: int) -> str:
+    acc = Accelerator(accelerator="cpu", strategy="fsdp", devices=world_size)
+    acc.launch()
+    with acc.init_module(empty_init=True):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    torch.nn.init.normal_(model[1].weight, std=0.02)  # after the block: not recorded
+    try:
+        acc.setup(model)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_init_written_after_the_block_raises_on_every_rank() -> None:
+    for message in run_distributed(init_after_the_block_on_ranks, 2, 2, timeout=120):
+        assert "parameter '1.weight' of Sequential" in message and "changed in place after" in message

@@ -202,6 +202,67 @@ def test_models_built_after_another_was_set_up(acc):
     assert not torch.equal(before, second.lm_head.weight)
 
 
+def _normal_init(model: nn.Module) -> None:
+    """The init litgpt's pretrain script applies after building the model (``initialize_weights``)."""
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+
+@pytest.mark.filterwarnings("ignore:for .* copying from a non-meta parameter")
+@pytest.mark.parametrize("strategy", ["single", "fsdp"])
+@pytest.mark.parametrize(
+    ("write", "name"),
+    [
+        (_normal_init, "embed.weight"),
+        (lambda m: m.proj.reset_parameters(), "proj.weight"),
+        (lambda m: m.norm.bias.detach().zero_(), "norm.bias"),
+        (lambda m: torch.no_grad()(m.proj.bias.copy_)(torch.ones(10)), "proj.bias"),
+        (lambda m: m.load_state_dict(Block().state_dict()), "embed.weight"),
+    ],
+)
+def test_init_written_after_the_block_raises_naming_the_parameter(strategy, write, name):
+    acc = Accelerator(accelerator="cpu", devices=1, strategy=strategy)
+    acc.launch()
+    with acc.init_module(empty_init=True):
+        model = Block()
+    write(model)
+    with pytest.raises(
+        ValueError, match=rf"parameter '{name}' of Block.*changed in place after.*into the block"
+    ):
+        acc.setup(model)
+    assert all(p.is_meta for p in model.parameters())  # nothing changed
+
+
+@pytest.mark.parametrize("strategy", ["single", "fsdp"])
+def test_init_written_inside_the_block_after_construction_is_reproduced(strategy):
+    acc = Accelerator(accelerator="cpu", devices=1, strategy=strategy)
+    acc.launch()
+    torch.manual_seed(5)
+    eager = Block()
+    _normal_init(eager)
+    after_eager = torch.rand(3)
+    torch.manual_seed(5)
+    with acc.init_module(empty_init=True):
+        model = Block()
+        _normal_init(model)  # the fix the error gives: the script's init moved into the block
+    assert torch.equal(torch.rand(3), after_eager)
+    model = acc.setup(model)
+    assert mismatches(eager, model) == []
+
+
+def test_a_cast_after_the_block_is_not_an_init(acc):
+    torch.manual_seed(2)
+    eager = Block().to(torch.bfloat16)
+    torch.manual_seed(2)
+    with acc.init_module(empty_init=True):
+        model = Block()
+    model = acc.setup(model.to(torch.bfloat16))
+    assert mismatches(eager, model) == []
+
+
 def test_without_empty_init_parameters_are_real_on_the_device(acc):
     with acc.init_module():
         model = Block()
