@@ -484,7 +484,7 @@ class Accelerator:
             from minifabric.checkpoint.service import SaveHandle
 
             return SaveHandle(Path(path)) if asynchronous else None
-        unwrapped, options = _arguments.unwrap_state(state), self._strategy.checkpoint_options
+        unwrapped, options = _arguments.unwrap_state(state), self._strategy.state_dict_type
         handle = self._checkpointer.save(
             Path(path), unwrapped, options, asynchronous=asynchronous, keep_last=keep_last, filter=filter
         )

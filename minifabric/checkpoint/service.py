@@ -1,8 +1,8 @@
 """The checkpoint service: one save or load at a time, synchronous or in the background.
 
 The facade owns one :class:`Checkpointer` and passes it, on every save, the strategy's
-:class:`~minifabric.checkpoint.options.CheckpointOptions` (sharded or full): the service never sees
-the strategy.
+``state_dict_type`` (``"sharded"`` or ``"full"``), a plain string: the service never sees the
+strategy, and strategies import nothing from ``checkpoint/``.
 
 A save is ``saving.prepare -> collect -> write -> commit`` (``save.py``), a load is ``load.load``
 (``load.py``). For an asynchronous save, ``prepare`` and ``collect`` run on the calling thread;
@@ -29,7 +29,6 @@ from minifabric.checkpoint import raw
 from minifabric.checkpoint import save as saving
 from minifabric.checkpoint.comm import Comm
 from minifabric.checkpoint.errors import CheckpointError
-from minifabric.checkpoint.options import CheckpointOptions
 from minifabric.checkpoint.tensors import stage
 
 
@@ -78,7 +77,7 @@ class SaveHandle:
 
 
 class Checkpointer:
-    """Saves and loads checkpoints (the format of a save follows its ``CheckpointOptions``).
+    """Saves and loads checkpoints (the format of a save follows the strategy's ``state_dict_type``).
 
     Every stage of a save or load ends with an agreement between the ranks (:meth:`Comm.agreed`):
     an exception on any rank makes every rank raise the same :class:`CheckpointError`, the staging
@@ -116,7 +115,7 @@ class Checkpointer:
         self,
         path: Path,
         state: dict[str, Any],
-        options: CheckpointOptions,
+        state_dict_type: str,
         *,
         asynchronous: bool = False,
         keep_last: int | None = None,
@@ -129,7 +128,7 @@ class Checkpointer:
         """
         saving.check_filter(filter, state)
         self.wait()
-        form = options.state_dict_type
+        form = state_dict_type
         if form not in ("full", "sharded"):
             raise ValueError(f'state_dict_type={form!r} is not supported. Use "sharded" or "full".')
         job, record = saving.prepare(self.comm, path, state, form, keep_last, filter or {})

@@ -22,7 +22,6 @@ from torch.optim import Optimizer
 
 from minifabric import collectives, process, signals
 from minifabric._torch import return_freed_memory
-from minifabric.checkpoint.options import CheckpointOptions
 from minifabric.environment import DEFAULT_TIMEOUT, LocalEnvironment, default_backend, share_cpu_cores
 from minifabric.init import (
     InitMismatch,
@@ -356,11 +355,6 @@ class Strategy:
     #: ``"full"``: one checkpoint file written by rank 0; ``"sharded"``: a folder where each rank
     #: writes its own shard (the FSDP default). ``load`` reads both, whatever this is.
     state_dict_type: str = "full"
-
-    @property
-    def checkpoint_options(self) -> CheckpointOptions:
-        """How this strategy's checkpoints are written (configuration for the checkpoint service)."""
-        return CheckpointOptions(state_dict_type=self.state_dict_type)  # type: ignore[arg-type]
 
     def on_save(self, path: Path, handle: Any) -> None:
         """A checkpoint was saved to ``path`` (committed now, or once ``handle`` finishes): the failure

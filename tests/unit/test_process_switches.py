@@ -27,13 +27,7 @@ SWITCH_CALLS = {
 
 #: Work elsewhere in the tree that moves these into the bottom layer; each entry is an exception
 #: that is known today. Nothing may be added here: remove entries as they are fixed.
-KNOWN_EXCEPTIONS = {
-    (
-        "minifabric/strategies/strategy.py",
-        "imports minifabric.checkpoint.options (strategies/ -> checkpoint/)",
-    ),
-    ("minifabric/checkpoint/sharded.py", "calls set_crc32_options"),
-}
+KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()
 
 
 def _modules() -> list[tuple[str, ast.Module]]:
