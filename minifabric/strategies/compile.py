@@ -70,3 +70,31 @@ def compile_modules(modules: Iterable[nn.Module], compiler: Compiler) -> None:
     """Compile each module's call in place (names, class and hooks unchanged)."""
     for module in modules:
         compile_in_place(module, compiler)
+
+
+def compile_children_in_place(module: nn.Module) -> None:
+    """Replace every ``torch.compile(child)`` inside ``module`` by the child compiled in place.
+
+    A function that sets ``model.blocks[i] = torch.compile(block)`` puts ``_orig_mod.`` into the
+    parameter names (so optimizers and checkpoints no longer match the model); compiling the block
+    in place with the same options runs the same code and keeps the names.
+
+    Raises:
+        TypeError: a compiled child was itself sharded with ``fully_shard`` (its hooks would sit
+            on the wrapper, outside the compiled code); shard the block, then compile it in place.
+    """
+    from torch.distributed.fsdp import FSDPModule  # not at import: `import minifabric` stays light
+
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            original, compiler = split_compiled(child)
+            if compiler is None:
+                continue
+            if isinstance(child, FSDPModule):
+                raise TypeError(
+                    f"{name!r} is `fully_shard(torch.compile(block))`: FSDP's hooks would run outside the"
+                    " compiled code. Shard the block itself and compile it in place:"
+                    " `fully_shard(block, mesh=...); block.compile()`."
+                )
+            setattr(parent, name, original)
+            compile_in_place(original, compiler)

@@ -34,7 +34,12 @@ from minifabric._torch import fsdp_policy, unresolved_plan_keys
 from minifabric.environment import DEFAULT_TIMEOUT, LocalEnvironment
 from minifabric.init import materialize, recorded_places
 from minifabric.precision import Precision
-from minifabric.strategies.compile import compile_modules, resolve_compiler, split_compiled
+from minifabric.strategies.compile import (
+    compile_children_in_place,
+    compile_modules,
+    resolve_compiler,
+    split_compiled,
+)
 from minifabric.strategies.fsdp import without_gradient_sync
 from minifabric.strategies.fsdp_grads import clip_grad_norm_
 from minifabric.strategies.fsdp_wrap import (
@@ -207,6 +212,11 @@ class ModelParallelStrategy(Strategy):
         with unresolved_plan_keys() as plan_warnings:
             parallelized = fn(module, self.device_mesh)
         module = check_parallelized(parallelized, fn, plan_warnings, self.device_mesh[TP].size())
+        # `return torch.compile(model)` or `model.blocks[i] = torch.compile(block)` in the function:
+        # set up the original modules (names without `_orig_mod.`), compiled in place with its options.
+        module, fn_compiler = split_compiled(module)
+        compile_children_in_place(module)
+        compiler = compiler or fn_compiler
         policy = self._shard_the_rest(module, compiler)
         self._autocast |= self.precision.is_mixed and policy.param_dtype is None
         if places:
@@ -215,9 +225,18 @@ class ModelParallelStrategy(Strategy):
 
     def _shard_the_rest(self, module: nn.Module, compiler: Any) -> MixedPrecisionPolicy:
         """``fully_shard`` over the data-parallel mesh what ``parallelize_fn`` did not; return the root's policy."""
+        user_units = sharded_submodules(module)
+        if compiler is not None and (isinstance(module, FSDPModule) or user_units):
+            # Compiling the whole model around the function's FSDP units (or after its root
+            # `fully_shard`) fails inside torch.compile with "Mixing fake modes".
+            raise TypeError(
+                f"{type(module).__name__} is compiled as a whole (`torch.compile(model)`), but parallelize_fn"
+                " already applied `fully_shard` itself. Compile each block in place inside the function,"
+                " before its `fully_shard`: `block.compile(); fully_shard(block, mesh=...)`; or leave"
+                " `fully_shard` to the strategy, which then compiles each block before sharding it."
+            )
         if isinstance(module, FSDPModule):
             return fsdp_policy(module)
-        user_units = sharded_submodules(module)
         # The function's own `fully_shard` calls chose a policy (maybe the default): the root follows it.
         policy = fsdp_policy(user_units[0]) if user_units else mixed_precision_policy(self.precision)
         if user_units and policy.output_dtype is None and self.precision.is_mixed:
