@@ -1,10 +1,19 @@
 """Where the processes come from: cluster detection and process-group initialization.
 
-Cluster detection reuses lightning-fabric's ``ClusterEnvironment`` classes (torchrun/TorchElastic,
-SLURM, LSF, MPI), imported only when the scheduler's environment variables are present: importing
-lightning-fabric costs about a second, which a local run should not pay. When no cluster is
-detected, :class:`LocalEnvironment` describes a local run whose other processes minifabric starts
-itself (it behaves like lightning-fabric's ``LightningEnvironment``).
+In this order: a default process group that already exists (Ray Train creates one before the
+user's code runs; so may the user) is adopted as it is (:class:`ProcessGroupEnvironment`); then
+lightning-fabric's ``ClusterEnvironment`` classes decide for torchrun/TorchElastic, SLURM, LSF and
+MPI, imported only when the scheduler's variables are present (importing lightning-fabric costs
+about a second, which a local run should not pay); then one process per pod or machine started with
+``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE`` and ``RANK`` but no ``LOCAL_RANK`` (Kubeflow's
+PyTorchJob) is lightning's ``KubeflowEnvironment``. When none of these is found,
+:class:`LocalEnvironment` describes a local run whose other processes minifabric starts itself (it
+behaves like lightning-fabric's ``LightningEnvironment``).
+
+A broken environment raises naming the variable, never falls back to a local run: a SLURM job
+without a node list, ``PET_NPROC_PER_NODE`` above 1 outside torchrun, and (when joining, see
+:mod:`minifabric.rendezvous`) a rank outside the world, an address that does not resolve or ranks
+that never arrive.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from minifabric._torch import intra_op_threads
+from minifabric.rendezvous import World, join
 
 if TYPE_CHECKING:
     from lightning_fabric.plugins.environments import ClusterEnvironment
@@ -115,15 +125,111 @@ class LocalEnvironment:
         os.environ.pop("WORLD_SIZE", None)
 
 
+class ProcessGroupEnvironment(LocalEnvironment):
+    """A default process group created before the Accelerator (by Ray Train, or by the user): adopted.
+
+    Rank and world size are the group's; the local rank is ``LOCAL_RANK`` if set (Ray and torchrun
+    set it), else 0; the node rank ``NODE_RANK``/``GROUP_RANK`` if set, else 0.
+    """
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        """Always: the processes exist and are already connected."""
+        return True
+
+    def world_size(self) -> int:
+        """The process group's world size."""
+        return dist.get_world_size()
+
+    def set_world_size(self, size: int) -> None:
+        """Ignored: the process group decides."""
+
+    def global_rank(self) -> int:
+        """This process's rank in the process group."""
+        return dist.get_rank()
+
+
+#: the variables each environment reads (rank, world size, address, port), named in its errors
+_VARIABLES = {
+    "SLURMEnvironment": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_NODELIST", "SLURM_JOB_ID"),
+    "LSFEnvironment": ("JSM_NAMESPACE_RANK", "JSM_NAMESPACE_SIZE", "LSB_DJOB_RANKFILE", "LSB_JOBID"),
+    "MPIEnvironment": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
+}
+
+
+def world_of(env: Any) -> World:
+    """This rank's place in the run as ``env`` describes it, with the variables to name in errors."""
+    rank_var, size_var, address_var, port_var = _VARIABLES.get(
+        type(env).__name__, ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    )
+    if "MASTER_ADDR" in os.environ:
+        address_var = "MASTER_ADDR"
+    if "MASTER_PORT" in os.environ:
+        port_var = "MASTER_PORT"
+    return World(
+        rank=env.global_rank(),
+        world_size=env.world_size(),
+        address=env.main_address,
+        port=env.main_port,
+        rank_var=rank_var,
+        world_size_var=size_var,
+        address_var=address_var,
+        port_var=port_var,
+    )
+
+
+def _is_kubeflow() -> bool:
+    """One process per pod (or machine): the four variables of ``env://`` and no ``LOCAL_RANK``."""
+    required = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+    return all(var in os.environ for var in required) and "LOCAL_RANK" not in os.environ
+
+
+def _check_slurm() -> None:
+    if "MASTER_ADDR" not in os.environ and "SLURM_NODELIST" not in os.environ:
+        hint = (
+            " (SLURM_JOB_NODELIST is set: export SLURM_NODELIST=$SLURM_JOB_NODELIST)"
+            if "SLURM_JOB_NODELIST" in os.environ
+            else ""
+        )
+        raise ValueError(
+            "This process runs in a SLURM job (SLURM_NTASKS is set) but SLURM_NODELIST is not set, so"
+            f" rank 0's host is unknown{hint}. Start the processes with srun inside an allocation"
+            " (sbatch/salloc), or set MASTER_ADDR to rank 0's host."
+        )
+
+
+def _check_torchrun_in_pod() -> None:
+    nproc = os.environ.get("PET_NPROC_PER_NODE", "1")
+    if "TORCHELASTIC_RUN_ID" not in os.environ and nproc not in ("1", "auto"):
+        raise ValueError(
+            f"PET_NPROC_PER_NODE={nproc} asks for {nproc} processes per pod, which torchrun starts (it reads"
+            " the PET_* variables): run the script as `torchrun train.py` in the container, not"
+            " `python train.py`."
+        )
+
+
 def detect_cluster_environment() -> ClusterEnvironment | LocalEnvironment:
-    """Return the environment of the scheduler that started this process, or a local one."""
+    """Return the environment that started this process, or a local one (see the module docstring).
+
+    Raises:
+        ValueError: the environment is recognised but broken (naming the variable).
+    """
+    if dist.is_available() and dist.is_initialized():
+        return ProcessGroupEnvironment()
+    _check_torchrun_in_pod()
     for name, hints in _CLUSTER_HINTS:
         if any(var in os.environ for var in hints):
             from lightning_fabric.plugins import environments
 
             env_cls: Any = getattr(environments, name)
             if env_cls.detect():
+                if name == "SLURMEnvironment":
+                    _check_slurm()
                 return env_cls()
+    if _is_kubeflow():
+        from lightning_fabric.plugins.environments import KubeflowEnvironment
+
+        return KubeflowEnvironment()
     return LocalEnvironment()
 
 
@@ -156,18 +262,20 @@ def local_world_size(env: Any, num_nodes: int) -> int:
         return int(os.environ["LOCAL_WORLD_SIZE"])
     if "SLURM_NTASKS_PER_NODE" in os.environ:
         return int(os.environ["SLURM_NTASKS_PER_NODE"].split("(")[0])
+    if type(env).__name__ == "KubeflowEnvironment":
+        return 1  # one process per pod
     return max(1, env.world_size() // max(1, num_nodes))
 
 
 def init_process_group(env: Any, backend: str, timeout: timedelta) -> None:
-    """Join the default process group described by ``env`` (no-op if already initialized)."""
+    """Join the default process group described by ``env`` (adopt it if it exists already).
+
+    The world is checked first and every rank must arrive within the join timeout
+    (:func:`minifabric.rendezvous.join`).
+    """
     if dist.is_initialized():
         return
-    os.environ["MASTER_ADDR"] = env.main_address
-    os.environ["MASTER_PORT"] = str(env.main_port)
-    rank, world_size = env.global_rank(), env.world_size()
-    log.info("Initializing process group: rank %d of %d, backend %s", rank, world_size, backend)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    join(world_of(env), backend, timeout)
 
 
 def default_backend(device: torch.device) -> str:
