@@ -1,4 +1,14 @@
-"""Data loading: a resumable distributed sampler and the loader rebuild done by ``setup_dataloaders``."""
+"""Data loading: a resumable distributed sampler and the loader rebuild done by ``setup_dataloaders``.
+
+The position of a pass is *global*: the number of positions of the epoch's order that every rank
+together has consumed. ``DistributedSampler`` gives rank ``r`` of ``N`` the positions ``r, r+N,
+r+2N, ...`` of one order that depends only on the seed and the epoch, so after ``k`` samples per
+rank the ranks have consumed exactly the first ``k * N`` positions, whatever ``N`` is. A pass
+resumed at that position on ``M`` ranks deals out the rest of the same order over ``M`` ranks
+(:meth:`ResumableDistributedSampler.resume`): over the epoch every sample is seen once (plus the
+padding a ``DistributedSampler`` adds, ``< M`` samples), and on ``M == N`` the rest is exactly what
+the uninterrupted pass would have given each rank.
+"""
 
 from __future__ import annotations
 
@@ -34,14 +44,85 @@ class _Transferable:
 
 
 class ResumableDistributedSampler(DistributedSampler):
-    """A ``DistributedSampler`` that can start its next pass at a given index (mid-epoch resume)."""
+    """A ``DistributedSampler`` whose next pass can start at a global position (mid-epoch resume).
 
-    start_index: int = 0
+    Example:
+        >>> sampler = ResumableDistributedSampler(range(10), num_replicas=3, rank=0, shuffle=False)
+        >>> sampler.resume(4)  # 4 positions consumed, e.g. on 2 ranks: the rest is dealt over 3
+        >>> list(sampler)
+        [4, 7]
+    """
+
+    #: global positions of this epoch's order consumed before the next pass starts
+    consumed: int = 0
+
+    def resume(self, consumed: int) -> None:
+        """Start the next pass after the first ``consumed`` positions of the epoch's order."""
+        self.consumed = max(0, int(consumed))
+
+    def _order(self) -> list[int]:
+        """The epoch's order of the whole dataset (the same on every rank and for any world size)."""
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            return torch.randperm(len(self.dataset), generator=generator).tolist()  # type: ignore[arg-type]
+        return list(range(len(self.dataset)))  # type: ignore[arg-type]
+
+    def _rest(self) -> list[int]:
+        """The positions this pass deals out: the rest of the order, trimmed or padded to the ranks."""
+        order = self._order()
+        rest = order[min(self.consumed, len(order)) :]
+        if self.drop_last:
+            rest = rest[: len(rest) - len(rest) % self.num_replicas]
+        else:
+            padding = (-len(rest)) % self.num_replicas
+            while padding > 0:  # as DistributedSampler pads: from the head of the order
+                rest += order[:padding]
+                padding -= min(padding, len(order))
+        return rest
 
     def __iter__(self) -> Iterator[int]:
-        start, self.start_index = self.start_index, 0
-        indices = list(super().__iter__())
-        return iter(indices[start:])
+        if not self.consumed:
+            return super().__iter__()
+        rest = self._rest()
+        self.consumed = 0
+        return iter(rest[self.rank :: self.num_replicas])
+
+    def __len__(self) -> int:
+        if not self.consumed:
+            return super().__len__()
+        return len(self._rest()) // self.num_replicas
+
+    def position(self, consumed: int) -> dict[str, Any]:
+        """The state of an epoch of which all ranks together have consumed ``consumed`` positions.
+
+        Besides ``consumed`` it describes the order, so that :meth:`check_position` can refuse a
+        loader that would continue a different one.
+        """
+        return {
+            "consumed": consumed,
+            "num_replicas": self.num_replicas,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "dataset_size": len(self.dataset),  # type: ignore[arg-type]
+        }
+
+    def check_position(self, state: dict[str, Any]) -> None:
+        """Refuse a saved position whose order differs from this sampler's (naming the value).
+
+        Raises:
+            ValueError: seed, shuffling, ``drop_last`` or the dataset size differ.
+        """
+        mine = self.position(0)
+        for key in ("seed", "shuffle", "drop_last", "dataset_size"):
+            if key in state and state[key] != mine[key]:
+                raise ValueError(
+                    f"The dataloader's position was saved with {key}={state[key]!r} but this loader has"
+                    f" {key}={mine[key]!r}: it would continue a different order and repeat or skip samples."
+                    f" Build the loader as in the saved run (same dataset, shuffle, drop_last, and"
+                    f" `acc.seed_everything(seed)` before `setup_dataloaders`)."
+                )
 
 
 def _resumable_sampler_wrapper(sampler: Any, num_replicas: int, rank: int, seed: int) -> DistributedSampler:
@@ -112,6 +193,24 @@ def distributed_dataloader(dataloader: DataLoader, num_replicas: int, rank: int,
         loader.generator = torch.Generator().manual_seed(seed + rank)
         loader._minifabric_generator_seed = seed + rank  # type: ignore[attr-defined]
     return loader
+
+
+def refuse_iterable_position(dataloader: DataLoader) -> None:
+    """Raise when ``dataloader`` reads an ``IterableDataset``: its position cannot be saved.
+
+    Raises:
+        TypeError: naming the dataset and what to do instead.
+    """
+    from lightning_fabric.utilities.data import has_iterable_dataset
+
+    if has_iterable_dataset(dataloader):
+        raise TypeError(
+            f"Cannot save the position of a DataLoader over an IterableDataset"
+            f" ({type(dataloader.dataset).__name__}): the library does not choose which samples each rank"
+            " reads, so it cannot resume it, nor on another number of ranks. Leave the loader out of the"
+            ' saved state and save your dataset\'s own position instead (e.g. `"data": dataset.state_dict()`),'
+            " or use a map-style Dataset."
+        )
 
 
 def owns_generator(loader: DataLoader) -> bool:

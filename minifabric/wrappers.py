@@ -15,7 +15,13 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from minifabric.data import move_data_to_device, owns_generator, reseed_loader_generator
+from minifabric.data import (
+    ResumableDistributedSampler,
+    move_data_to_device,
+    owns_generator,
+    refuse_iterable_position,
+    reseed_loader_generator,
+)
 
 if TYPE_CHECKING:
     from minifabric.strategies.strategy import Strategy
@@ -305,8 +311,9 @@ class _WrappedDataLoader:
         self._dataloader = dataloader
         self._device = device
         self._epoch = 0
-        self._samples_seen = 0  # of this rank, in the current epoch, including any skipped at resume
-        self._start = 0  # samples to skip at the next iter() (set by load_state_dict)
+        self._samples_seen = 0  # of this rank, in the current pass
+        self._consumed_before = 0  # positions of the epoch consumed by all ranks before this pass
+        self._start = 0  # positions consumed before the next iter() (set by load_state_dict)
         self._in_epoch = False
         self._generator_state: torch.Tensor | None = None
         self._iterated = False  # an iterator was created (persistent workers keep theirs)
@@ -328,14 +335,15 @@ class _WrappedDataLoader:
         sampler = getattr(self._dataloader, "sampler", None)
         if sampler is not None and hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self._epoch)
-        start, self._start = self._start, 0
-        if start and not hasattr(sampler, "start_index"):
+        consumed, self._start = self._start, 0
+        if consumed and not hasattr(sampler, "resume"):
             raise RuntimeError(
                 "This dataloader cannot resume mid-epoch: its sampler was not set up by minifabric."
                 " Use `acc.setup_dataloaders(loader)` (with use_distributed_sampler=True)."
             )
-        if start:
-            sampler.start_index = start  # type: ignore[union-attr]
+        if consumed:
+            sampler.resume(consumed)  # type: ignore[union-attr]
+        self._consumed_before = consumed
         generator = getattr(self._dataloader, "generator", None)
         loader = self._dataloader
         reused = loader.persistent_workers and loader.num_workers > 0 and self._iterated
@@ -354,12 +362,12 @@ class _WrappedDataLoader:
             # draw, so a run resumed mid-epoch draws the same worker seeds again.
             self._generator_state = generator.get_state()
         batch_size = self._dataloader.batch_size or 1
-        self._samples_seen, self._in_epoch = start, True
+        self._samples_seen, self._in_epoch = 0, True
         for batch in self._dataloader:
             self._samples_seen += batch_size
             yield move_data_to_device(batch, self._device) if self._device is not None else batch
         self._epoch += 1
-        self._samples_seen, self._in_epoch = 0, False
+        self._samples_seen, self._in_epoch, self._consumed_before = 0, False, 0
 
     def state_dict(self) -> dict[str, Any]:
         """Where iteration resumes: the epoch and this rank's samples consumed in it.
@@ -367,12 +375,19 @@ class _WrappedDataLoader:
         The state is the same on every rank when minifabric built the loader's generator (it is
         re-seeded from the epoch), so it also maps onto a different number of processes.
         """
+        refuse_iterable_position(self._dataloader)
         sampler = getattr(self._dataloader, "sampler", None)
+        replicas = getattr(sampler, "num_replicas", 1)
+        consumed = self._consumed_before + self._samples_seen * replicas  # by all ranks together
+        if self._start and not self._in_epoch:  # loaded, not iterated since
+            consumed = self._start
         state: dict[str, Any] = {
             "epoch": self._epoch,
-            "samples_seen": self._samples_seen,
-            "num_replicas": getattr(sampler, "num_replicas", 1),
+            "samples_seen": consumed // replicas,
+            "num_replicas": replicas,
         }
+        if isinstance(sampler, ResumableDistributedSampler):
+            state.update(sampler.position(consumed))
         generator = getattr(self._dataloader, "generator", None)
         if generator is not None and not owns_generator(self._dataloader):
             state["generator"] = self._generator_state if self._in_epoch else generator.get_state()
@@ -381,20 +396,19 @@ class _WrappedDataLoader:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from ``state_dict`` at the next ``iter()``, at the first sample not seen yet.
 
-        Saved on N processes and loaded on M, the position is mapped through the global count of
-        samples seen (``samples_seen * N // M`` on each rank), with a warning where that is not exact.
+        The position is global (samples consumed by all ranks together), so a loader saved on N
+        processes resumes on M: the rest of the epoch is dealt over the M ranks, and over the whole
+        epoch every sample is seen once (see :mod:`minifabric.data`).
+
+        Raises:
+            ValueError: the saved order (seed, shuffle, ``drop_last``, dataset size) differs from this loader's.
         """
+        sampler = getattr(self._dataloader, "sampler", None)
+        if isinstance(sampler, ResumableDistributedSampler):
+            sampler.check_position(state_dict)
         self._epoch = int(state_dict["epoch"])
-        samples, saved_replicas = int(state_dict["samples_seen"]), int(state_dict.get("num_replicas", 1))
-        replicas = getattr(getattr(self._dataloader, "sampler", None), "num_replicas", 1)
-        self._start = samples * saved_replicas // replicas
-        if (samples * saved_replicas) % replicas:
-            warnings.warn(
-                f"The dataloader was saved on {saved_replicas} processes after {samples} samples each and is"
-                f" resumed on {replicas}: {(samples * saved_replicas) % replicas} samples of this epoch are seen twice.",
-                UserWarning,
-                stacklevel=2,
-            )
+        saved_replicas = int(state_dict.get("num_replicas", 1))
+        self._start = int(state_dict.get("consumed", int(state_dict["samples_seen"]) * saved_replicas))
         generator = getattr(self._dataloader, "generator", None)
         if generator is not None and "generator" in state_dict:
             generator.set_state(state_dict["generator"])

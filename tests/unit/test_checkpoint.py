@@ -229,7 +229,8 @@ def test_dataloader_resumes_at_the_next_unseen_batch_and_maps_world_sizes() -> N
     seen = [next(iterator)[0].tolist() for _ in range(3)]
     state = loader.state_dict()
     rest = [batch[0].tolist() for batch in iterator]
-    assert state == {"epoch": 0, "samples_seen": 6, "num_replicas": 1}
+    assert state == {"epoch": 0, "samples_seen": 6, "num_replicas": 1, "consumed": 6, "seed": 0,
+                     "shuffle": True, "drop_last": False, "dataset_size": 20}  # fmt: skip
     other = acc.setup_dataloaders(DataLoader(TensorDataset(torch.arange(20)), batch_size=2, shuffle=True))
     other.load_state_dict(state)
     assert [batch[0].tolist() for batch in other] == rest
