@@ -12,6 +12,8 @@ only, so the rest does not show when rendered):
   folder, where ``python`` runs this interpreter (in its virtual environment, if any) and ``examples/`` points at the repository's.
 - ```` ```bash skip="REASON" ````: not run; the reason is required and says why (installs
   packages, needs a cluster, takes minutes).
+- ```` ```yaml file=NAME ````: a configuration file (e.g. a Kubernetes manifest), written to ``NAME``
+  in the scratch folder for a later block to check or use; ``file=`` is required.
 - ```` ```text ```` and ```` ```mermaid ````: output and diagrams, not code.
 
 Blocks of one document share one scratch folder and run in order, so a later block can load the
@@ -87,6 +89,8 @@ def _check(block: Block) -> str | None:
     if block.lang == "python":
         unknown = set(block.options) - {"file", "timeout"}
         return f"unknown options {sorted(unknown)}" if unknown else None
+    if block.lang == "yaml":
+        return None if set(block.options) == {"file"} else "yaml blocks need file=NAME (and nothing else)"
     if block.lang in SHELLS:
         if "skip" in block.options:
             return None if block.options["skip"].strip() else 'skip needs a reason: skip="why it is not run"'
@@ -94,7 +98,10 @@ def _check(block: Block) -> str | None:
             unknown = set(block.options) - {"run", "timeout"}
             return f"unknown options {sorted(unknown)}" if unknown else None
         return 'shell blocks must say `run` or `skip="reason"`'
-    return f"info string {block.lang!r} is neither python, a shell ({sorted(SHELLS)}) nor {sorted(NOT_CODE)}"
+    return (
+        f"info string {block.lang!r} is neither python, a shell ({sorted(SHELLS)}), yaml file=NAME"
+        f" nor {sorted(NOT_CODE)}"
+    )
 
 
 def test_docs_exist():
@@ -133,7 +140,7 @@ def test_code_blocks_run(path: Path, tmp_path: Path):
     env = _environment(tmp_path)
     for n, block in enumerate(blocks):
         timeout = float(block.options.get("timeout") or 120)
-        if block.lang == "python" and "file" in block.options:
+        if block.lang in ("python", "yaml") and "file" in block.options:
             (tmp_path / block.options["file"]).write_text(block.code)
             continue
         if block.lang == "python":
