@@ -87,6 +87,15 @@ def _add_run(commands: Any) -> None:
         default=29400,
         help="free port on node 0 (default: 29400)",
     )
+    run.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        type=int,
+        metavar="N",
+        default=0,
+        help="restart every process up to N times after one fails; the script resumes from its last"
+        " checkpoint (default: 0)",
+    )
     for name, also in (
         ("accelerator", ""),
         ("strategy", ""),
@@ -255,6 +264,7 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
         f"--node-rank={args.node_rank}",
         f"--master-addr={args.main_address}",
         f"--master-port={args.main_port}",
+        *([f"--max-restarts={args.max_restarts}"] if args.max_restarts else []),
         # every rank runs the script through minifabric's runner: a non-zero sys.exit is a failure
         # known at once (see minifabric/_run.py)
         "--module",
@@ -266,6 +276,9 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
 
 def _run(args: argparse.Namespace) -> None:
     from torch.distributed.run import main as torchrun_main
+
+    if args.max_restarts < 0:
+        raise SystemExit(f"minifabric run: --max-restarts={args.max_restarts} must be 0 or more.")
 
     settings = {
         "accelerator": args.accelerator,

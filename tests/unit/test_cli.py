@@ -163,3 +163,15 @@ def test_a_bad_checkpoint_path_is_one_line_not_a_traceback(tmp_path, capsys):
     assert "minifabric consolidate: error:" in err and "model.pt" in err
     assert "Traceback" not in err
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_max_restarts_reaches_torchrun(torchrun):
+    cli.main(["run", "--devices", "2", "--max-restarts", "3", "train.py"])
+    ((args, _),) = torchrun
+    assert "--max-restarts=3" in args and args.index("--max-restarts=3") < args.index("--module")
+
+
+def test_negative_max_restarts_exit_with_a_message(torchrun, capsys):
+    with pytest.raises(SystemExit, match=r"--max-restarts=-1 must be 0 or more"):
+        cli.main(["run", "--max-restarts", "-1", "train.py"])
+    assert not torchrun
