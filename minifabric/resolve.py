@@ -310,7 +310,9 @@ def resolve(
     else:
         device = torch.device("cpu")
 
-    world_size = num_processes * num_nodes
+    # processes started by an engine: the world is what it started (a Kubeflow pod or a torchrun node
+    # may hold one process of many, whatever num_nodes says)
+    world_size = env.world_size() if env.creates_processes_externally else num_processes * num_nodes
     if precision == "16-mixed" and device_type == "cpu":
         warnings.warn(_FP16_ON_CPU, UserWarning, stacklevel=3)
     precision_plugin = precision_from_string(precision, device_type)

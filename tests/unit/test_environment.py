@@ -23,6 +23,7 @@ def test_one_process_per_pod_is_kubeflow_and_only_joined(monkeypatch):
     acc = Accelerator(accelerator="cpu")
     assert (acc.global_rank, acc.local_rank, acc.world_size) == (2, 0, 4)
     assert acc.strategy.num_processes == 1  # one process in this pod
+    assert type(acc.strategy).__name__ == "DDPStrategy"  # "auto" over a world of 4, not "single"
     assert type(acc.strategy.launcher) is JoinLauncher
     world = world_of(env)
     assert (world.rank, world.world_size, world.address, world.port) == (2, 4, "trainer-master-0", 23456)
