@@ -175,6 +175,7 @@ def world_of(env: Any) -> World:
         world_size_var=size_var,
         address_var=address_var,
         port_var=port_var,
+        counted=type(env).__name__ != "KubeflowEnvironment",
     )
 
 

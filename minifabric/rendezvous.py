@@ -7,9 +7,12 @@ leave every rank waiting for the collective timeout (30 minutes). Here each rank
 1. checks its rank against the world size and resolves the main address (naming the variable that
    is wrong, at once),
 2. connects to the key-value store and announces itself, then waits for every other rank for at
-   most the *join timeout*: ``MINIFABRIC_JOIN_TIMEOUT`` seconds if set, else 5 s when the main
-   address is this machine (every rank was started here, together) and the collective timeout
-   otherwise (pods and nodes may start minutes apart); rank 0 names the missing ranks every 30 s,
+   most the *join timeout*: ``MINIFABRIC_JOIN_TIMEOUT`` seconds if set; else 5 s when nothing
+   counted the processes (each was given ``RANK`` and ``WORLD_SIZE`` by hand or by a pod operator,
+   ``World.counted`` False) and the main address is this machine, since every rank was then
+   started here, together; else the collective timeout (torchrun, srun, minifabric's launcher
+   start exactly ``WORLD_SIZE`` processes, which may only be slow to start on a loaded machine, and
+   pods and nodes may start minutes apart). Rank 0 names the missing ranks every 30 s,
 3. only then creates the process group on that store.
 
 Under torchrun with restarts (``--max-restarts``), every attempt of the job talks to the same
@@ -53,6 +56,8 @@ class World:
         world_size_var: the variable the world size came from.
         address_var: the variable the address came from.
         port_var: the variable the port came from.
+        counted: whether the launcher itself started ``world_size`` processes (torchrun, srun,
+            minifabric's launcher), rather than each process being given its variables by hand.
     """
 
     rank: int
@@ -63,6 +68,7 @@ class World:
     world_size_var: str = "WORLD_SIZE"
     address_var: str = "MASTER_ADDR"
     port_var: str = "MASTER_PORT"
+    counted: bool = True
 
     def describe(self) -> str:
         """The variables as one would set them, e.g. ``RANK=1 WORLD_SIZE=2 MASTER_ADDR=... MASTER_PORT=...``."""
@@ -128,7 +134,7 @@ def join_timeout(world: World, timeout: timedelta) -> float:
         if seconds <= 0:
             raise ValueError(f"{JOIN_TIMEOUT_VAR}={value!r} must be a positive number of seconds, e.g. 600.")
         return seconds
-    if is_this_machine(world.address):
+    if not world.counted and is_this_machine(world.address):
         return LOCAL_JOIN_SECONDS
     return timeout.total_seconds()
 

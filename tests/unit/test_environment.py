@@ -28,6 +28,7 @@ def test_one_process_per_pod_is_kubeflow_and_only_joined(monkeypatch):
     world = world_of(env)
     assert (world.rank, world.world_size, world.address, world.port) == (2, 4, "trainer-master-0", 23456)
     assert (world.rank_var, world.world_size_var, world.address_var) == ("RANK", "WORLD_SIZE", "MASTER_ADDR")
+    assert not world.counted  # each pod was given its variables: nothing counted the processes
 
 
 def test_a_local_rank_means_a_local_launcher_started_it(monkeypatch):
@@ -74,12 +75,14 @@ def test_a_rank_outside_the_world_raises_naming_it(rank, size, message):
         check_world(World(rank=rank, world_size=size, address="127.0.0.1", port=29500))
 
 
-def test_join_timeout_is_short_on_this_machine_and_the_collective_timeout_elsewhere(monkeypatch):
+def test_join_timeout_is_short_only_for_hand_set_ranks_on_this_machine(monkeypatch):
     monkeypatch.delenv(JOIN_TIMEOUT_VAR, raising=False)
-    here = World(rank=0, world_size=2, address="127.0.0.1", port=29500)
-    there = World(rank=0, world_size=2, address="10.1.2.3", port=29500)
+    here = World(rank=0, world_size=2, address="127.0.0.1", port=29500, counted=False)
+    there = World(rank=0, world_size=2, address="10.1.2.3", port=29500, counted=False)
+    launched = World(rank=0, world_size=2, address="127.0.0.1", port=29500)  # torchrun, srun, launch()
     assert join_timeout(here, timedelta(minutes=30)) == LOCAL_JOIN_SECONDS
     assert join_timeout(there, timedelta(minutes=30)) == 1800
+    assert join_timeout(launched, timedelta(minutes=30)) == 1800
     monkeypatch.setenv(JOIN_TIMEOUT_VAR, "120")
     assert join_timeout(here, timedelta(minutes=30)) == 120
     monkeypatch.setenv(JOIN_TIMEOUT_VAR, "soon")
