@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from minifabric.checkpoint import archive, reader, sharded
+from minifabric.checkpoint import archive, reader
+from minifabric.checkpoint import read as sharded
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*assuming the intent is to save in a single process")
 
