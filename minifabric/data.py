@@ -133,6 +133,10 @@ def _resumable_sampler_wrapper(sampler: Any, num_replicas: int, rank: int, seed:
     class ResumableSamplerWrapper(DistributedSamplerWrapper):
         start_index: int = 0
 
+        def resume(self, consumed: int) -> None:
+            """Start the next pass after ``consumed`` positions (all ranks together; same world size)."""
+            self.start_index = consumed // self.num_replicas
+
         def __iter__(self) -> Iterator[Any]:
             start, self.start_index = self.start_index, 0
             return iter(list(super().__iter__())[start:])

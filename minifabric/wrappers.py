@@ -347,7 +347,7 @@ class _WrappedDataLoader:
         generator = getattr(self._dataloader, "generator", None)
         loader = self._dataloader
         reused = loader.persistent_workers and loader.num_workers > 0 and self._iterated
-        if owns_generator(loader) and not start and not reused:
+        if owns_generator(loader) and not consumed and not reused:
             # A loader without a generator of its own (Fabric's) draws its workers' base seed from
             # the global RNG when it creates an iterator (once with persistent workers): draw it
             # too, so the script's random stream stays Fabric's (a pass resumed mid-epoch made
@@ -406,9 +406,18 @@ class _WrappedDataLoader:
         sampler = getattr(self._dataloader, "sampler", None)
         if isinstance(sampler, ResumableDistributedSampler):
             sampler.check_position(state_dict)
-        self._epoch = int(state_dict["epoch"])
         saved_replicas = int(state_dict.get("num_replicas", 1))
-        self._start = int(state_dict.get("consumed", int(state_dict["samples_seen"]) * saved_replicas))
+        consumed = int(state_dict.get("consumed", int(state_dict["samples_seen"]) * saved_replicas))
+        replicas = getattr(sampler, "num_replicas", 1)
+        if consumed and replicas != saved_replicas and not isinstance(sampler, ResumableDistributedSampler):
+            raise ValueError(
+                f"The dataloader was saved mid-epoch on {saved_replicas} processes and is loaded on"
+                f" {replicas}, but its sampler ({type(sampler).__name__}) is your own: its position maps"
+                " only onto the same number of processes. Resume on the same number, or at an epoch"
+                " boundary (save after the epoch ends)."
+            )
+        self._epoch = int(state_dict["epoch"])
+        self._start = consumed
         generator = getattr(self._dataloader, "generator", None)
         if generator is not None and "generator" in state_dict:
             generator.set_state(state_dict["generator"])
