@@ -12,6 +12,7 @@ not recorded, and ``setup`` refuses it instead of silently replaying the constru
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
@@ -82,14 +83,25 @@ def meta_init_context(verify: bool = False, keep: tuple[int, int] | None = None)
             _seal()
 
 
+#: modules given a record inside the current outermost context (sealed when it ends)
+_BUILT_HERE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
 def _seal() -> None:
     """Note each tracked tensor's version counter: ``setup`` refuses one written after this point.
 
     A tensor sealed by an earlier context keeps its first count (a write between the two is lost too).
+    Each module also notes whether it has its own ``reset_parameters`` now: Lightning Fabric calls
+    one set after the block when FSDP materializes the model, ``setup`` here never does.
     """
     for t in list(RECORDS.keys()):
         if t not in SEALED:
             SEALED[t] = tensor_version(t)
+    for module in list(_BUILT_HERE):
+        record = module_record(module)
+        if record is not None and record.own_reset is None:
+            record.own_reset = "reset_parameters" in module.__dict__
+    _BUILT_HERE.clear()
 
 
 def _remember(module: nn.Module, name: str, handle: Handle | None) -> None:
@@ -97,6 +109,7 @@ def _remember(module: nn.Module, name: str, handle: Handle | None) -> None:
     record = module_record(module, create=handle is not None)
     if record is None:
         return
+    _BUILT_HERE.add(module)
     if handle is None:
         record.pop(name, None)
     else:

@@ -81,6 +81,7 @@ def recorded_places(module: nn.Module) -> list[Place]:
     places: list[Place] = []
     root = type(module).__name__
     for prefix, sub in module.named_modules():
+        _refuse_reset_set_after(prefix, sub, root)
         for is_param, tensors in ((True, sub._parameters), (False, sub._buffers)):
             for name, t in tensors.items():
                 if t is None or not t.is_meta:
@@ -117,6 +118,28 @@ def recorded_places(module: nn.Module) -> list[Place]:
                     )
                 places.append((sub, name, is_param, handle))
     return places
+
+
+def _refuse_reset_set_after(prefix: str, sub: nn.Module, root: str) -> None:
+    """A ``reset_parameters`` set on a meta-built module after its ``init_module`` block ended.
+
+    Lightning Fabric's FSDP calls it when it materializes the model (litgpt's ``pretrain.py`` relies
+    on that); ``setup`` here gives the weights of eager construction and would silently ignore it.
+    """
+    record = module_record(sub)
+    if record is None or record.own_reset is not False or "reset_parameters" not in sub.__dict__:
+        return
+    if not any(t.is_meta for t in (*sub._parameters.values(), *sub._buffers.values()) if t is not None):
+        return
+    where = f"`{prefix}.reset_parameters`" if prefix else "`reset_parameters`"
+    raise ValueError(
+        f"{where} of {root} (in {type(sub).__name__}) was set after `init_module(empty_init=True)` ended."
+        " Lightning Fabric calls it when FSDP materializes the model; `setup` here gives the weights of"
+        " eager construction and never calls it. Call the init inside the block, right after"
+        " constructing the model: `with acc.init_module(empty_init=True): model = Model();"
+        " init_weights(model)` (e.g. set the `reset_parameters` there and call each one), or build it"
+        " with `acc.init_module(empty_init=False)`."
+    )
 
 
 def _changed_after(prefix: str, name: str, where: str) -> str:

@@ -115,6 +115,10 @@ class ModuleRecord(dict):
     recipes are the original's), so ``deepcopy`` returns it unchanged.
     """
 
+    #: Whether the module had its own ``reset_parameters`` (an instance attribute) when its
+    #: ``init_module`` ended; None until then. One set later is refused at ``setup``.
+    own_reset: bool | None = None
+
     def __deepcopy__(self, memo: dict) -> ModuleRecord:
         return self
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -234,6 +236,41 @@ def test_init_written_after_the_block_raises_naming_the_parameter(strategy, writ
     ):
         acc.setup(model)
     assert all(p.is_meta for p in model.parameters())  # nothing changed
+
+
+def _override_reset(model: nn.Module) -> None:
+    """litgpt's ``pretrain.py`` under FSDP: it sets each ``reset_parameters`` and leaves calling them to setup."""
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            m.reset_parameters = functools.partial(nn.init.normal_, m.weight, std=0.02)
+
+
+@pytest.mark.parametrize("strategy", ["single", "fsdp"])
+def test_reset_parameters_set_after_the_block_raises_naming_it(strategy):
+    acc = Accelerator(accelerator="cpu", devices=1, strategy=strategy)
+    acc.launch()
+    with acc.init_module(empty_init=True):
+        model = Block()
+    _override_reset(model)
+    with pytest.raises(ValueError, match=r"`embed.reset_parameters` of Block \(in Embedding\) was set after"):
+        acc.setup(model)
+
+
+def test_reset_parameters_set_and_called_inside_the_block_is_reproduced(acc):
+    torch.manual_seed(4)
+    eager = Block()
+    _override_reset(eager)
+    for m in eager.modules():
+        if "reset_parameters" in m.__dict__:
+            m.reset_parameters()
+    torch.manual_seed(4)
+    with acc.init_module(empty_init=True):
+        model = Block()
+        _override_reset(model)
+        for m in model.modules():
+            if "reset_parameters" in m.__dict__:
+                m.reset_parameters()
+    assert mismatches(eager, acc.setup(model)) == []
 
 
 @pytest.mark.parametrize("strategy", ["single", "fsdp"])
