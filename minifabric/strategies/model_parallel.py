@@ -56,7 +56,9 @@ from minifabric.strategies.model_parallel_checks import (
     build_2d_mesh,
     check_parallelized,
     check_size_option,
+    check_ties_kept,
     resolve_sizes,
+    tied_parameters,
 )
 from minifabric.strategies.rebind import optimizer_parameters
 from minifabric.strategies.strategy import Strategy
@@ -209,6 +211,7 @@ class ModelParallelStrategy(Strategy):
         module = self.precision.convert_module(module)
         apply_activation_checkpointing(module, self.activation_checkpointing_policy)
         fn: Callable[[nn.Module, DeviceMesh], Any] = self.parallelize_fn  # type: ignore[assignment]
+        ties = tied_parameters(module)
         with unresolved_plan_keys() as plan_warnings:
             parallelized = fn(module, self.device_mesh)
         module = check_parallelized(parallelized, fn, plan_warnings, self.device_mesh[TP].size())
@@ -216,6 +219,7 @@ class ModelParallelStrategy(Strategy):
         # set up the original modules (names without `_orig_mod.`), compiled in place with its options.
         module, fn_compiler = split_compiled(module)
         compile_children_in_place(module)
+        check_ties_kept(ties, module, fn)
         compiler = compiler or fn_compiler
         policy = self._shard_the_rest(module, compiler)
         self._autocast |= self.precision.is_mixed and policy.param_dtype is None

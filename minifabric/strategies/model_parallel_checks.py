@@ -116,3 +116,45 @@ def tp_parameters(module: nn.Module) -> list[str]:
         for name, p in module.named_parameters()
         if isinstance(p, DTensor) and TP in (p.device_mesh.mesh_dim_names or ())
     ]
+
+
+_WRAPPER_COMPONENTS = ("_orig_mod.", "_checkpoint_wrapped_module.")
+
+
+def _plain_name(name: str) -> str:
+    for component in _WRAPPER_COMPONENTS:
+        name = name.replace(component, "")
+    return name
+
+
+def tied_parameters(module: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that share one parameter (tied weights), wrapper components removed."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(_plain_name(name))
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def check_ties_kept(ties: list[list[str]], module: nn.Module, fn: Any) -> None:
+    """Raise if ``parallelize_fn`` made tied parameters separate ones.
+
+    ``parallelize_module`` replaces each parameter of a planned layer with a new one, so a weight
+    shared by two layers (an embedding tied to the output layer) silently becomes two weights that
+    train apart: the model differs from one process. Names the function changed are not judged.
+
+    Raises:
+        ValueError: a group of tied names now holds more than one parameter (names and the fix).
+    """
+    params = {_plain_name(n): p for n, p in module.named_parameters(remove_duplicate=False)}
+    for names in ties:
+        if not all(n in params for n in names) or len({id(params[n]) for n in names}) == 1:
+            continue
+        name = getattr(fn, "__name__", repr(fn))
+        first, *others = names
+        raise ValueError(
+            f"parallelize_fn {name!r} untied {', '.join(map(repr, others))} from {first!r}: they were one"
+            " parameter and are now separate ones, which train apart (one process keeps them equal)."
+            " Tie them again at the end of the function, after `parallelize_module`, e.g."
+            f" `model.{others[0]} = model.{first}` (both layers' plans must place the weight alike),"
+            " or untie them in the model itself."
+        )
