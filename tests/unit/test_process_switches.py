@@ -11,8 +11,17 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "minifabric"
 
-#: the modules that may set process-wide switches and import torch's private modules
-BOTTOM_LAYER = {"minifabric/process.py", "minifabric/_torch.py"}
+#: the modules that may set process-wide switches and import torch's private modules (exactly these)
+BOTTOM_LAYER = {
+    "minifabric/process.py",
+    "minifabric/_torch/__init__.py",
+    "minifabric/_torch/compiled.py",
+    "minifabric/_torch/distributed.py",
+    "minifabric/_torch/init.py",
+    "minifabric/_torch/serialization.py",
+    "minifabric/_torch/switches.py",
+    "minifabric/_torch/versions.py",
+}
 
 #: calls that change the whole process: (object, attribute); object None = any object or a bare name
 SWITCH_CALLS = {
@@ -105,9 +114,17 @@ def test_only_the_bottom_layer_sets_process_wide_switches_or_imports_private_tor
     new = sorted(found - KNOWN_EXCEPTIONS)
     assert not new, (
         "Process-wide switches and private torch imports belong in minifabric/process.py or"
-        " minifabric/_torch.py (one named, scoped helper each); strategies/ must not import checkpoint/:\n"
+        " minifabric/_torch/ (one named, scoped helper each); strategies/ must not import checkpoint/:\n"
         + "\n".join(f"  {path}: {what}" for path, what in new)
     )
+
+
+def test_the_bottom_layer_is_exactly_the_listed_modules():
+    """A new module in ``_torch/`` is a new place for private torch: it must be listed above on purpose."""
+    root = PACKAGE.parent
+    torch_layer = {str(path.relative_to(root)) for path in (PACKAGE / "_torch").rglob("*.py")}
+    assert torch_layer == {name for name in BOTTOM_LAYER if name.startswith("minifabric/_torch/")}
+    assert not (PACKAGE / "_torch.py").exists()
 
 
 def test_the_checker_finds_each_kind_of_switch():

@@ -1,0 +1,90 @@
+"""The one place that knows about torch versions and torch's private modules, and torch's process-wide switches.
+
+Everything version-specific or private lives in this package, so a torch upgrade touches only it.
+So does every switch that changes torch for the whole process (the default dtype, the intra-op
+thread count, the global optimizer hooks, ``nn.Module`` patches): each is one named helper that
+says why and restores what it changed. The process-wide switches that are not torch's (exception
+hook, signals, exit handlers) are in :mod:`minifabric.process`.
+
+One module per seam; import the names from here:
+
+- :mod:`.versions`: the supported torch range.
+- :mod:`.switches`: process-wide switches training sets (default dtype, threads, malloc, optimizer hooks).
+- :mod:`.init`: what meta-device init needs (module patches, storage keys, the seeded-op probe, frame walks).
+- :mod:`.distributed`: private ``torch.distributed`` (FSDP2 policy, DTensor layouts, store, fake worlds).
+- :mod:`.serialization`: private ``torch.serialization`` and DCP's file layout.
+- :mod:`.compiled`: ``torch.compile`` wrappers.
+"""
+
+from __future__ import annotations
+
+from torch.utils._pytree import tree_flatten, tree_map
+
+from minifabric._torch.compiled import compile_in_place, split_compiled
+from minifabric._torch.distributed import (
+    checkpoint_activations,
+    default_store,
+    fake_tensor_mode,
+    fake_world,
+    fsdp_policy,
+    local_box,
+    local_slice,
+    memory_tracker,
+    unresolved_plan_keys,
+)
+from minifabric._torch.init import (
+    module_construction_hook,
+    module_registration_hooks,
+    seeded_op_probe,
+    storage_key,
+    swap_module_tensors,
+    swapping_module_params,
+    tensor_version,
+    torch_init_call,
+)
+from minifabric._torch.serialization import dcp_storage_info, save_without_crc32
+from minifabric._torch.switches import (
+    TUNE_MALLOC_VAR,
+    default_dtype,
+    hold_state_changes,
+    intra_op_threads,
+    register_global_step_pre_hook,
+    return_freed_memory,
+    track_scheduler_steps,
+)
+from minifabric._torch.versions import MIN_TORCH_VERSION, check_torch_version
+
+__all__ = [
+    "MIN_TORCH_VERSION",
+    "TUNE_MALLOC_VAR",
+    "check_torch_version",
+    "checkpoint_activations",
+    "compile_in_place",
+    "dcp_storage_info",
+    "default_dtype",
+    "default_store",
+    "fake_tensor_mode",
+    "fake_world",
+    "fsdp_policy",
+    "hold_state_changes",
+    "intra_op_threads",
+    "local_box",
+    "local_slice",
+    "memory_tracker",
+    "module_construction_hook",
+    "module_registration_hooks",
+    "register_global_step_pre_hook",
+    "return_freed_memory",
+    "save_without_crc32",
+    "seeded_op_probe",
+    "split_compiled",
+    "storage_key",
+    "swap_module_tensors",
+    "swapping_module_params",
+    "tensor_version",
+    "torch_init_call",
+    "track_scheduler_steps",
+    "tree_flatten",
+    "tree_map",
+    "unresolved_plan_keys",
+]

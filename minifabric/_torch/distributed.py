@@ -1,0 +1,127 @@
+"""Private parts of ``torch.distributed``: FSDP2's policy, DTensor layouts, the default store, fake worlds."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def checkpoint_activations(module: nn.Module) -> None:
+    """Recompute ``module``'s activations in backward instead of storing them.
+
+    Uses torch's composable ``checkpoint``, which works through forward hooks and so keeps the
+    module's class and parameter names (optimizer rebinding and checkpoints match by name).
+    """
+    from torch.distributed._composable.checkpoint_activation import checkpoint
+
+    checkpoint(module)
+
+
+@contextmanager
+def fake_world(world_size: int) -> Iterator[None]:
+    """A default process group of ``world_size`` fake ranks in this one process (no communication).
+
+    Collectives return at once with outputs of the right shape, so FSDP can be applied and run on
+    fake tensors as rank 0 of ``world_size``. Process-wide: refused while a real group exists, and
+    destroyed on exit.
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "estimate_memory simulates the ranks with its own process group, but one is already"
+            " initialized. Estimate before `acc.launch()`, or from the command line:"
+            " `minifabric estimate pkg.module:make_model ...`."
+        )
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def fake_tensor_mode(allow_real_inputs: bool = False) -> Any:
+    """torch's ``FakeTensorMode``: tensors carry shape, dtype and device but no data.
+
+    ``allow_real_inputs``: meta and real tensors made outside may enter (a model sharded on the
+    meta device, the index tensors of a 2-D ``DeviceMesh``).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=allow_real_inputs)
+
+
+def memory_tracker(module: nn.Module, optimizer: torch.optim.Optimizer, fsdp: bool) -> Any:
+    """torch's memory tracker over ``module`` and ``optimizer`` (``FSDPMemTracker`` for sharded ones).
+
+    Used as a context manager around training steps; ``get_tracker_snapshot("peak")`` then gives, per
+    device, the bytes of each kind of tensor at the peak.
+    """
+    if fsdp:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        return FSDPMemTracker(module, optimizer)
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(module, optimizer)
+    return tracker
+
+
+def local_box(shape: Any, mesh: Any, placements: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's part of a tensor of ``shape`` under a DTensor layout: its shape and where it starts."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(local), tuple(offset)
+
+
+def local_slice(full: torch.Tensor, mesh: Any, placements: Any) -> torch.Tensor:
+    """This rank's part of ``full`` under a DTensor layout, cut on ``full``'s own device (no comms)."""
+    shape, offset = local_box(full.shape, mesh, placements)
+    for dim, (size, start) in enumerate(zip(shape, offset, strict=True)):
+        full = full.narrow(dim, start, size)
+    return full
+
+
+def default_store() -> Any:
+    """The key-value store of the default process group (shared by every rank of the run)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def fsdp_policy(module: nn.Module) -> Any:
+    """The ``MixedPrecisionPolicy`` ``fully_shard`` was given for ``module`` (an ``FSDPModule``)."""
+    return module._get_fsdp_state()._mp_policy  # type: ignore[operator]
+
+
+#: how torch's ``parallelize_module`` says that a plan key matched no submodule (a warning, not an error)
+_UNRESOLVED_PLAN_KEY = "Parallelize plan key"
+
+
+@contextmanager
+def unresolved_plan_keys() -> Iterator[list[str]]:
+    """Collect the messages of torch's "plan key could not be resolved" warnings raised inside.
+
+    torch's ``parallelize_module`` skips a plan entry that names no submodule with only a warning,
+    so a typo leaves that layer replicated. The caller turns these messages into an error; every
+    other warning is re-emitted unchanged.
+    """
+    import warnings
+
+    found: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield found
+    for warning in caught:
+        text = str(warning.message)
+        if text.startswith(_UNRESOLVED_PLAN_KEY):
+            found.append(text)
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
