@@ -52,6 +52,10 @@ def meta_init_context(verify: bool = False, keep: tuple[int, int] | None = None)
         >>> layer.weight.is_meta
         False
     """
+    if _RECORDER.get() is not None:  # nested: the outer context records everything, once
+        with noting_constructions() if verify else nullcontext():
+            yield
+        return
     recorder = Recorder(keep)
 
     def on_parameter(module: nn.Module, name: str, param: nn.Parameter) -> nn.Parameter:

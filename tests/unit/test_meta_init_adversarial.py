@@ -245,3 +245,47 @@ def test_a_write_through_the_numpy_form_of_a_meta_parameter_is_refused() -> None
         layer = nn.Linear(4, 4)
         with pytest.raises(ValueError, match="read-only"):
             layer.weight.detach().numpy()[:] = 1.0
+
+
+def _two_linears() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+
+def _normal_init(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=0.02)
+        nn.init.zeros_(module.bias)
+
+
+@pytest.mark.parametrize("strategy", ["single", "fsdp"])
+def test_an_init_applied_after_the_context_ended_is_refused_naming_the_fix(strategy: str) -> None:
+    """On meta that write computes nothing and is not recorded: refused, not silently dropped."""
+    acc = Accelerator(accelerator="cpu", devices=1, strategy=strategy)
+    acc.launch()
+    with acc.init_module(empty_init=True):
+        model = _two_linears()
+    model.apply(_normal_init)
+    with pytest.raises(
+        ValueError, match=r"'0\.weight'.*changed in place after.*Move the init into the block"
+    ):
+        acc.setup(model)
+    torch.manual_seed(0)
+    with acc.init_module(empty_init=True):  # the fix the message shows
+        model = _two_linears()
+        model.apply(_normal_init)
+    torch.manual_seed(0)
+    eager = _two_linears()
+    eager.apply(_normal_init)
+    assert mismatches(eager, acc.setup(model)) == []
+
+
+def test_nested_init_module_contexts_record_once() -> None:
+    acc = Accelerator(accelerator="cpu", devices=1)
+    torch.manual_seed(0)
+    eager = _two_linears()
+    torch.manual_seed(0)
+    with acc.init_module(empty_init=True):
+        with acc.init_module(empty_init=True):
+            model = _two_linears()
+        assert model[0].weight.is_meta
+    assert mismatches(eager, acc.setup(model)) == []
