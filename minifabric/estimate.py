@@ -29,6 +29,7 @@ from torch import nn
 
 from minifabric._torch import fake_tensor_mode, fake_world, memory_tracker
 from minifabric.estimate_tp import give_fake_storage, resolve_parallelize_fn, sharded_meta_model
+from minifabric.parameters import optimizer_parameters
 from minifabric.precision import precision_from_string
 from minifabric.strategies.fsdp_wrap import (
     apply_activation_checkpointing,
@@ -354,7 +355,7 @@ def _kept(model: nn.Module, keep_blocks: int | None) -> nn.Module:
 
 def _create_state(optimizer: torch.optim.Optimizer) -> None:
     """Give the optimizer its state (as after a first step) without running the model."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = optimizer_parameters(optimizer)
     for p in params:
         p.grad = torch.zeros_like(p)
     optimizer.step()

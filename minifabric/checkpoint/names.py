@@ -15,6 +15,8 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
+from minifabric.parameters import optimizer_parameters
+
 _COMPILED = "_orig_mod."
 #: what torch's `checkpoint_wrapper` adds to the names of the parameters it wraps (its state dict drops it)
 _CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module."
@@ -26,7 +28,7 @@ def parameter_names(optimizer: Optimizer, modules: list[nn.Module]) -> list[str]
     for module in modules:
         for name, param in module.named_parameters(remove_duplicate=False):
             by_id.setdefault(id(param), name.replace(_COMPILED, "").replace(_CHECKPOINT_WRAPPED, ""))
-    names = [by_id.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
+    names = [by_id.get(id(p)) for p in optimizer_parameters(optimizer)]
     if any(n is None for n in names) or len(set(names)) != len(names):
         return None
     return names  # type: ignore[return-value]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from minifabric.parameters import shared_tensors
+
 
 def _tie_targets(module: nn.Module) -> set[str]:
     targets = set()
@@ -31,16 +33,10 @@ def tied_groups(module: nn.Module) -> list[list[str]]:
         [['emb.weight', 'head.weight']]
     """
     order = {name: i for i, name in enumerate(module.state_dict())}
-    by_tensor: dict[int, list[str]] = {}
-    for name, tensor in [
-        *module.named_parameters(remove_duplicate=False),
-        *module.named_buffers(remove_duplicate=False),
-    ]:
-        if name in order:
-            by_tensor.setdefault(id(tensor), []).append(name)
     targets = _tie_targets(module)
     groups = []
-    for names in by_tensor.values():
+    for places in shared_tensors(module, buffers=True):
+        names = [place.name for place in places if place.name in order]
         if len(set(names)) > 1:
             unique = sorted(set(names), key=lambda n: (n in targets, order[n]))
             groups.append(unique)

@@ -23,7 +23,6 @@ from minifabric.init.materialize import (
     materialize,
     recorded_places,
     reset_meta_modules,
-    tied_parameters,
 )
 from minifabric.init.verify import InitMismatch, self_check, verify_requested, wants_check
 
@@ -39,7 +38,6 @@ __all__ = [
     "recorded_places",
     "reset_meta_modules",
     "self_check",
-    "tied_parameters",
     "verify_requested",
     "wants_check",
 ]

@@ -343,13 +343,3 @@ def reset_meta_modules(module: nn.Module, device: torch.device | str) -> bool:
             stacklevel=3,
         )
     return True
-
-
-def tied_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
-    """Groups of (module, attribute) places that share one parameter object."""
-    places: dict[int, list[tuple[nn.Module, str]]] = {}
-    for sub in module.modules():
-        for name, param in sub._parameters.items():
-            if param is not None:
-                places.setdefault(id(param), []).append((sub, name))
-    return [group for group in places.values() if len(group) > 1]

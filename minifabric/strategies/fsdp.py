@@ -29,8 +29,6 @@ from minifabric.strategies.compile import (
     CompileOption,
     Compiler,
     compile_modules,
-    resolve_compiler,
-    split_compiled,
 )
 from minifabric.strategies.fault_tolerance import FaultTolerance
 from minifabric.strategies.fsdp_grads import clip_grad_norm_
@@ -53,7 +51,6 @@ from minifabric.strategies.fsdp_wrap import (
     shard_module,
     sharded_submodules,
 )
-from minifabric.strategies.rebind import optimizer_parameters
 from minifabric.strategies.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -309,14 +306,14 @@ class FSDPStrategy(Strategy):
 
     def _compiler(self, module: nn.Module) -> tuple[nn.Module, Compiler | None]:
         """The module to shard and how to compile its units (see :mod:`~minifabric.strategies.compile`)."""
-        module, user_compiler = split_compiled(module)
-        if user_compiler is not None:
+        unwrapped, compiler = super()._compiler(module)
+        if unwrapped is not module:
             log.info(
                 "FSDP: torch.compile(model) was unwrapped; each sharding unit of %s is compiled on its"
                 " own before fully_shard instead, so FSDP's hooks run around the compiled blocks",
-                type(module).__name__,
+                type(unwrapped).__name__,
             )
-        return module, resolve_compiler(self.compile, user_compiler)
+        return unwrapped, compiler
 
     def _blocks(self, module: nn.Module) -> list[nn.Module]:
         if not sharded_submodules(module):
@@ -373,19 +370,8 @@ class FSDPStrategy(Strategy):
             return nullcontext()
         return without_gradient_sync(module)
 
-    def clip_gradients_norm(
-        self,
-        module: nn.Module,
-        optimizer: Optimizer,
-        max_norm: float,
-        norm_type: float = 2.0,
-        *,
-        error_if_nonfinite: bool = True,
-    ) -> torch.Tensor:
-        """Clip by the norm over all shards; returns it as a plain tensor (the single-process number)."""
-        self.precision.unscale_gradients(optimizer)
-        params = optimizer_parameters(optimizer)
-        return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
+    #: the norm over all shards, a plain tensor equal on every rank (see `Strategy.clip_gradients_norm`)
+    _clip_grad_norm = staticmethod(clip_grad_norm_)
 
 
 @contextmanager

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import (
 )
 
 from minifabric._torch import checkpoint_activations
-from minifabric.init import tied_parameters
+from minifabric.parameters import TensorPlace, shared_tensors
 from minifabric.precision import Precision
 
 log = logging.getLogger(__name__)
@@ -124,11 +124,11 @@ def repeated_block_classes(module: nn.Module) -> set[type[nn.Module]]:
     return found
 
 
-def _splits_tied(block: nn.Module, groups: list[list[tuple[nn.Module, str]]]) -> bool:
+def _splits_tied(block: nn.Module, groups: list[list[TensorPlace]]) -> bool:
     """Whether ``block`` holds a parameter that is shared with a module outside it."""
     inside = set(map(id, block.modules()))
     return any(
-        any(id(m) in inside for m, _ in group) and not all(id(m) in inside for m, _ in group)
+        any(id(p.module) in inside for p in group) and not all(id(p.module) in inside for p in group)
         for group in groups
     )
 
@@ -153,7 +153,7 @@ def select_blocks(module: nn.Module, policy: WrapPolicy) -> list[nn.Module]:
         matches = lambda m, _: isinstance(m, tuple(policy))  # noqa: E731
     else:
         matches = policy
-    groups = tied_parameters(module)
+    groups = shared_tensors(module)
     chosen = []
     for name, sub in module.named_modules():
         if not name or not matches(sub, name):

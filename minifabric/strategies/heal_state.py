@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from minifabric._torch import tree_map
+from minifabric.parameters import optimizer_parameters
 
 
 @dataclass
@@ -81,7 +82,7 @@ def load_optimizer_state(optimizer: Optimizer, received: dict[str, Any]) -> None
     A fresh optimizer (never stepped) gets its state created; hyper-parameters (a scheduled learning
     rate) come from the peer too.
     """
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = optimizer_parameters(optimizer)
     sent = sum(len(group["params"]) for group in received["param_groups"])
     if sent != len(params):
         raise RuntimeError(

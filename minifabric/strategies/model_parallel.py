@@ -28,7 +28,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
-from torch.optim import Optimizer
 
 from minifabric._torch import fsdp_policy, unresolved_plan_keys
 from minifabric.environment import DEFAULT_TIMEOUT, LocalEnvironment
@@ -37,7 +36,6 @@ from minifabric.precision import Precision
 from minifabric.strategies.compile import (
     compile_children_in_place,
     compile_modules,
-    resolve_compiler,
     split_compiled,
 )
 from minifabric.strategies.fsdp import without_gradient_sync
@@ -60,7 +58,6 @@ from minifabric.strategies.model_parallel_checks import (
     resolve_sizes,
     tied_parameters,
 )
-from minifabric.strategies.rebind import optimizer_parameters
 from minifabric.strategies.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -203,8 +200,7 @@ class ModelParallelStrategy(Strategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Run ``parallelize_fn``, shard what it left plain over the data-parallel mesh, materialize."""
-        module, user_compiler = split_compiled(module)
-        compiler = resolve_compiler(self.compile, user_compiler)
+        module, compiler = self._compiler(module)
         places = recorded_places(module)  # raises before any collective if an init cannot be reproduced
         if not places:
             module = module.to(self.root_device)
@@ -274,19 +270,8 @@ class ModelParallelStrategy(Strategy):
             return nullcontext()
         return without_gradient_sync(module)
 
-    def clip_gradients_norm(
-        self,
-        module: nn.Module,
-        optimizer: Optimizer,
-        max_norm: float,
-        norm_type: float = 2.0,
-        *,
-        error_if_nonfinite: bool = True,
-    ) -> torch.Tensor:
-        """Clip by the norm over all shards of both meshes; returns the single-process number."""
-        self.precision.unscale_gradients(optimizer)
-        params = optimizer_parameters(optimizer)
-        return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
+    #: the norm over all shards, a plain tensor equal on every rank (see `Strategy.clip_gradients_norm`)
+    _clip_grad_norm = staticmethod(clip_grad_norm_)
 
     # `barrier`, `broadcast`, `all_gather`, `all_reduce` are the base class's: over all ranks of
     # the run (the default group), not over one data- or tensor-parallel group.

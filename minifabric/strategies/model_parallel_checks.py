@@ -13,6 +13,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from minifabric.parameters import shared_tensors
+
 #: the mesh dimension names Lightning Fabric uses, so a Fabric ``parallelize_fn`` runs unchanged
 DP, TP = "data_parallel", "tensor_parallel"
 SizeOption = int | Literal["auto"]
@@ -129,10 +131,7 @@ def _plain_name(name: str) -> str:
 
 def tied_parameters(module: nn.Module) -> list[list[str]]:
     """Groups of parameter names that share one parameter (tied weights), wrapper components removed."""
-    by_id: dict[int, list[str]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(param), []).append(_plain_name(name))
-    return [names for names in by_id.values() if len(names) > 1]
+    return [[_plain_name(place.name) for place in group] for group in shared_tensors(module)]
 
 
 def check_ties_kept(ties: list[list[str]], module: nn.Module, fn: Any) -> None:

@@ -18,13 +18,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from minifabric._torch import register_global_step_pre_hook
+from minifabric.parameters import optimizer_parameters
 
 _CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module."
-
-
-def optimizer_parameters(optimizer: Optimizer) -> list:
-    """Every parameter of ``optimizer``, group by group."""
-    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def parameter_names(module: nn.Module) -> dict[int, str]:

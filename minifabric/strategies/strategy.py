@@ -7,7 +7,7 @@ what differs; the :class:`~minifabric.Accelerator` facade never branches on the 
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
@@ -34,15 +34,16 @@ from minifabric.init import (
 )
 from minifabric.launcher import JoinLauncher, Launcher, LocalLauncher
 from minifabric.lifecycle import Lifecycle, collective_timeout
+from minifabric.parameters import optimizer_parameters
 from minifabric.precision import Precision
 from minifabric.strategies.compile import (
     CompileOption,
+    Compiler,
     check_compile_option,
     compile_modules,
     resolve_compiler,
     split_compiled,
 )
-from minifabric.strategies.rebind import optimizer_parameters
 
 if TYPE_CHECKING:
     from lightning_fabric.plugins.environments import ClusterEnvironment
@@ -201,12 +202,19 @@ class Strategy:
         ``module`` itself is changed in place (its parameters keep their names); the returned module
         may wrap it. A ``torch.compile(model)`` is unwrapped; the returned module is compiled.
         """
-        module, user_compiler = split_compiled(module)
+        module, compiler = self._compiler(module)
         forward_module = self._place_module(module)
-        compiler = resolve_compiler(self.compile, user_compiler)
         if compiler is not None:
             compile_modules([forward_module], compiler)
         return forward_module
+
+    def _compiler(self, module: nn.Module) -> tuple[nn.Module, Compiler | None]:
+        """``module`` without its ``torch.compile`` wrapper, and the compile to re-apply (the one split).
+
+        The user's compile options win over ``compile=`` (see :mod:`~minifabric.strategies.compile`).
+        """
+        module, user_compiler = split_compiled(module)
+        return module, resolve_compiler(self.compile, user_compiler)
 
     def _place_module(self, module: nn.Module) -> nn.Module:
         """Materialize, convert precision and move to device (subclasses wrap the result)."""
@@ -292,6 +300,10 @@ class Strategy:
         """Skip gradient synchronization inside the context (no-op with one process)."""
         return nullcontext()
 
+    #: how the norm is taken and applied: torch's for whole gradients; sharded strategies set
+    #: ``fsdp_grads.clip_grad_norm_`` (the norm over all shards, a plain tensor on every rank)
+    _clip_grad_norm: Callable[..., torch.Tensor] = staticmethod(torch.nn.utils.clip_grad_norm_)
+
     def clip_gradients_norm(
         self,
         module: nn.Module,
@@ -308,7 +320,7 @@ class Strategy:
         """
         self.precision.unscale_gradients(optimizer)
         params = optimizer_parameters(optimizer)
-        return torch.nn.utils.clip_grad_norm_(
+        return self._clip_grad_norm(
             params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
         )
 
