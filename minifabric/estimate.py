@@ -32,6 +32,7 @@ from minifabric.estimate_tp import give_fake_storage, resolve_parallelize_fn, sh
 from minifabric.parameters import optimizer_parameters
 from minifabric.precision import precision_from_string
 from minifabric.strategies.fsdp_wrap import (
+    ShardSettings,
     apply_activation_checkpointing,
     build_mesh,
     mixed_precision_policy,
@@ -317,12 +318,7 @@ def _trace(factory: Factory, run: dict[str, Any], keep_blocks: int | None) -> di
             if mesh is not None:
                 policy = mixed_precision_policy(precision)
                 shard_model(
-                    model,
-                    select_blocks(model, None),
-                    mesh,
-                    reshard_after_forward=True,
-                    mp_policy=policy,
-                    offload=_no_offload(),
+                    model, select_blocks(model, None), ShardSettings(mesh, True, policy, _no_offload())
                 )
             optimizer = OPTIMIZERS[run["optimizer"]](model.parameters(), lr=1e-3)
             context = nullcontext if fsdp and precision.is_mixed else precision.forward_context

@@ -19,6 +19,7 @@ from torch import nn
 from minifabric._torch import swapping_module_params
 from minifabric.precision import Precision
 from minifabric.strategies.fsdp_wrap import (
+    ShardSettings,
     apply_activation_checkpointing,
     mixed_precision_policy,
     repeated_block_classes,
@@ -47,14 +48,8 @@ def sharded_meta_model(
     if activation_checkpointing:
         apply_activation_checkpointing(model, repeated_block_classes(model))
     model = parallelize_fn(model, mesh)
-    shard_model(
-        model,
-        select_blocks(model, None),
-        mesh[DP],
-        reshard_after_forward=True,
-        mp_policy=mixed_precision_policy(precision),
-        offload=_no_offload(),
-    )
+    settings = ShardSettings(mesh[DP], True, mixed_precision_policy(precision), _no_offload())
+    shard_model(model, select_blocks(model, None), settings)
     return model
 
 

@@ -40,6 +40,7 @@ from minifabric.strategies.fsdp_options import (
 )
 from minifabric.strategies.fsdp_wrap import (
     ShardingStr,
+    ShardSettings,
     WrapPolicy,
     apply_activation_checkpointing,
     build_mesh,
@@ -256,6 +257,10 @@ class FSDPStrategy(Strategy):
     def _reshard_after_forward(self) -> bool:
         return self.sharding_strategy != "SHARD_GRAD_OP"
 
+    def _shard_settings(self, mp_policy: MixedPrecisionPolicy) -> ShardSettings:
+        """The ``fully_shard`` arguments of this strategy, with ``mp_policy``."""
+        return ShardSettings(self.mesh, self._reshard_after_forward, mp_policy, self._offload)
+
     def meta_init_part(self) -> tuple[int, int] | None:
         """``FULL_SHARD``/``SHARD_GRAD_OP`` shard every parameter's dim 0 over all ranks (``Shard(0)``)."""
         if self.sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
@@ -268,13 +273,7 @@ class FSDPStrategy(Strategy):
             return module
         apply_activation_checkpointing(module, self.activation_checkpointing_policy)
         with keeping_init_records(module):  # init written after `wrap` in __init__ is recorded too
-            return shard_module(
-                module,
-                self.mesh,
-                reshard_after_forward=self._reshard_after_forward,
-                mp_policy=inner_policy(self.mp_policy),
-                offload=self._offload,
-            )
+            return shard_module(module, self._shard_settings(inner_policy(self.mp_policy)))
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Shard ``module`` in place (blocks, then root) and materialize it if it was built on meta."""
@@ -288,14 +287,7 @@ class FSDPStrategy(Strategy):
         if compiler is not None:
             compile_modules(blocks or sharded_submodules(module) or [module], compiler)
         if not isinstance(module, FSDPModule):
-            shard_model(
-                module,
-                blocks,
-                self.mesh,
-                reshard_after_forward=self._reshard_after_forward,
-                mp_policy=self.mp_policy,
-                offload=self._offload,
-            )
+            shard_model(module, blocks, self._shard_settings(self.mp_policy))
         if places:
             # With CPU offload FSDP keeps the sharded parameters in CPU memory: materialize them there.
             param_device = torch.device("cpu") if self.cpu_offload else self.root_device

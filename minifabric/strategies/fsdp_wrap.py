@@ -208,14 +208,30 @@ def sharded_submodules(module: nn.Module) -> list[nn.Module]:
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
-def shard_norms_in_float32(
-    module: nn.Module,
-    mesh: DeviceMesh,
-    *,
-    reshard_after_forward: bool | None,
-    mp_policy: MixedPrecisionPolicy,
-    offload: OffloadPolicy,
-) -> None:
+@dataclasses.dataclass(frozen=True)
+class ShardSettings:
+    """The arguments of every ``fully_shard`` call of one model, as one value.
+
+    ``reshard_after_forward`` is the blocks'; :func:`shard_model` derives the root's from it.
+    """
+
+    mesh: DeviceMesh
+    reshard_after_forward: bool | None
+    mp_policy: MixedPrecisionPolicy
+    offload: OffloadPolicy = dataclasses.field(default_factory=OffloadPolicy)
+
+    def apply(self, module: nn.Module) -> None:
+        """``fully_shard(module, ...)`` with these settings."""
+        fully_shard(
+            module,
+            mesh=self.mesh,
+            reshard_after_forward=self.reshard_after_forward,
+            mp_policy=self.mp_policy,
+            offload_policy=self.offload,
+        )
+
+
+def shard_norms_in_float32(module: nn.Module, settings: ShardSettings) -> None:
     """Shard each batch-norm layer under ``module`` as its own unit that keeps float32 parameters.
 
     Under a low-precision ``param_dtype`` a batch norm would get bf16/fp16 weights next to its
@@ -223,6 +239,7 @@ def shard_norms_in_float32(
     mixed precision), the layer keeps float32 weights and statistics and takes the low-precision
     activations as they are; its output stays in their dtype.
     """
+    mp_policy = settings.mp_policy
     if mp_policy.param_dtype in (None, torch.float32):
         return
     keep = MixedPrecisionPolicy(reduce_dtype=mp_policy.reduce_dtype, cast_forward_inputs=False)
@@ -233,67 +250,27 @@ def shard_norms_in_float32(
             and not isinstance(sub, FSDPModule)
             and any(True for _ in sub.parameters(recurse=False))
         ):
-            fully_shard(
-                sub,
-                mesh=mesh,
-                reshard_after_forward=reshard_after_forward,
-                mp_policy=keep,
-                offload_policy=offload,
-            )
+            dataclasses.replace(settings, mp_policy=keep).apply(sub)
 
 
-def shard_module(
-    module: nn.Module,
-    mesh: DeviceMesh,
-    *,
-    reshard_after_forward: bool | None,
-    mp_policy: MixedPrecisionPolicy,
-    offload: OffloadPolicy,
-) -> nn.Module:
+def shard_module(module: nn.Module, settings: ShardSettings) -> nn.Module:
     """``fully_shard`` one module in place (its batch norms first, in float32) and return it."""
-    shard_norms_in_float32(
-        module, mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, offload=offload
-    )
-    fully_shard(
-        module,
-        mesh=mesh,
-        reshard_after_forward=reshard_after_forward,
-        mp_policy=mp_policy,
-        offload_policy=offload,
-    )
+    shard_norms_in_float32(module, settings)
+    settings.apply(module)
     return module
 
 
-def shard_model(
-    module: nn.Module,
-    blocks: list[nn.Module],
-    mesh: DeviceMesh,
-    *,
-    reshard_after_forward: bool,
-    mp_policy: MixedPrecisionPolicy,
-    offload: OffloadPolicy,
-) -> nn.Module:
+def shard_model(module: nn.Module, blocks: list[nn.Module], settings: ShardSettings) -> nn.Module:
     """Shard each of ``blocks`` (children first), then the root, which takes the remaining parameters.
 
     Each block's parameters are gathered just before its forward and freed after it, so the peak
-    holds one block unsharded. ``mp_policy`` is the root's; blocks get :func:`inner_policy`.
+    holds one block unsharded. ``settings.mp_policy`` is the root's; blocks get :func:`inner_policy`.
     """
     for block in blocks:
-        shard_module(
-            block,
-            mesh,
-            reshard_after_forward=reshard_after_forward,
-            mp_policy=inner_policy(mp_policy),
-            offload=offload,
-        )
+        shard_module(block, dataclasses.replace(settings, mp_policy=inner_policy(settings.mp_policy)))
     # The root's parameters are used again at the start of backward: resharding them after forward
     # would only all-gather them once more. FSDP2 skips that for the root only when the argument is
     # left to it (None); an explicit True reshards the root too.
-    shard_module(
-        module,
-        mesh,
-        reshard_after_forward=None if reshard_after_forward else False,
-        mp_policy=mp_policy,
-        offload=offload,
-    )
+    root = None if settings.reshard_after_forward else False
+    shard_module(module, dataclasses.replace(settings, reshard_after_forward=root))
     return module

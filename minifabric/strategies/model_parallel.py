@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from minifabric._torch import fsdp_policy, unresolved_plan_keys
 from minifabric.environment import DEFAULT_TIMEOUT, LocalEnvironment
@@ -41,6 +41,7 @@ from minifabric.strategies.compile import (
 from minifabric.strategies.fsdp import without_gradient_sync
 from minifabric.strategies.fsdp_grads import clip_grad_norm_
 from minifabric.strategies.fsdp_wrap import (
+    ShardSettings,
     apply_activation_checkpointing,
     mixed_precision_policy,
     select_blocks,
@@ -249,14 +250,7 @@ class ModelParallelStrategy(Strategy):
         blocks = [] if user_units else select_blocks(module, None)
         if compiler is not None:
             compile_modules(blocks or [module], compiler)
-        shard_model(
-            module,
-            blocks,
-            self.device_mesh[DP],
-            reshard_after_forward=True,
-            mp_policy=policy,
-            offload=OffloadPolicy(),
-        )
+        shard_model(module, blocks, ShardSettings(self.device_mesh[DP], True, policy))
         return policy
 
     def forward_context(self) -> ContextManager:
