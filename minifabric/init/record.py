@@ -39,52 +39,20 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from minifabric._torch import seeded_op_probe, storage_key, torch_init_call, tree_flatten, tree_map
+from minifabric.init.calls import (
+    DATA,
+    DATA_SET,
+    EMPTY_FACTORIES,
+    IS_META,
+    METADATA,
+    RESHAPES,
+    call_name,
+    is_accessor,
+    is_inplace,
+    to_meta,
+)
 from minifabric.init.recipe import RECORDS, SEQ, TARGET, Base, Handle, Op, Real, Ref, handle_of
 from minifabric.init.replay import apply_chain, call, resolver
-
-#: Calls that create uninitialized memory: their result has no value until something writes it.
-_EMPTY_FACTORIES = {torch.empty, torch.empty_like, torch.Tensor.new_empty, torch.empty_strided}
-#: In-place methods that change a tensor's shape or storage: not replayable.
-_RESHAPES = {
-    torch.Tensor.resize_, torch.Tensor.set_, torch.Tensor.as_strided_, torch.Tensor.t_,
-    torch.Tensor.transpose_, torch.Tensor.squeeze_, torch.Tensor.unsqueeze_, torch.Tensor.swapdims_,
-}  # fmt: skip
-#: In-place methods that change only autograd or naming metadata.
-_METADATA = {
-    torch.Tensor.requires_grad_, torch.Tensor.retain_grad, torch.Tensor.share_memory_,
-}  # fmt: skip
-_DATA: Any = torch.Tensor.data  # the `.data` property: its __set__ replaces a tensor's data
-_IS_META: Any = torch.Tensor.is_meta
-
-
-def _is_accessor(func: Callable, prop: Any, accessor: str) -> bool:
-    """Whether ``func`` is ``prop.__get__``/``__set__`` (a new method-wrapper object at each access)."""
-    return getattr(func, "__self__", None) is prop and getattr(func, "__name__", None) == accessor
-
-
-def _DATA_SET(target: torch.Tensor, value: torch.Tensor) -> None:
-    _DATA.__set__(target, value)
-
-
-_INPLACE_DUNDERS = ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__")
-
-
-def _name(func: Callable) -> str:
-    owner: Any = getattr(func, "__self__", None)
-    if type(owner).__name__ == "getset_descriptor":  # property access: Tensor.data, Tensor.is_meta
-        return f"{owner.__name__}.{func.__name__}"
-    return getattr(func, "__name__", repr(func))
-
-
-def _is_inplace(name: str) -> bool:
-    if name in _INPLACE_DUNDERS:
-        return True
-    return name.endswith("_") and not name.endswith("__") and not name.startswith("_")
-
-
-def _to_meta(tree: Any) -> Any:
-    """Real tensors replaced by meta ones of the same shape: for running a call on meta inputs."""
-    return tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) and not v.is_meta else v, tree)
 
 
 class Unrecordable(ValueError):
@@ -187,11 +155,11 @@ class Recorder(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.paused:
             return func(*args, **kwargs)
-        if _is_accessor(func, _IS_META, "__get__"):
+        if is_accessor(func, IS_META, "__get__"):
             if self.lookup(args[0]) is not None:
                 self._record_torch_init(args[0])
             return func(*args, **kwargs)
-        if func in _EMPTY_FACTORIES:
+        if func in EMPTY_FACTORIES:
             return self._empty(func, args, kwargs)
         flat, _ = tree_flatten((args, kwargs))
         tracked = [(t, h) for t in flat if (h := self.lookup(t)) is not None]
@@ -205,7 +173,7 @@ class Recorder(TorchFunctionMode):
             ):
                 return self._fresh(func, args, kwargs, result)
             return result
-        if _is_accessor(func, _DATA, "__set__"):
+        if is_accessor(func, DATA, "__set__"):
             return self._set_data(args[0], args[1])
         if func is torch.Tensor.numpy:
             return self._numpy(args[0], kwargs)
@@ -214,17 +182,17 @@ class Recorder(TorchFunctionMode):
             if found is not None and found[0].__name__ == func.__name__:
                 func, kwargs = found  # a torch.nn.init function, maybe called through a wrapper
                 args = ()
-        name = _name(func)
+        name = call_name(func)
         out = kwargs.get("out")
-        if _is_inplace(name) or (isinstance(out, torch.Tensor) and self.lookup(out) is not None):
-            if func in _METADATA:
+        if is_inplace(name) or (isinstance(out, torch.Tensor) and self.lookup(out) is not None):
+            if func in METADATA:
                 return func(*args, **kwargs)
             target = out if isinstance(out, torch.Tensor) else args[0] if args else kwargs.get("tensor")
             return self._inplace(func, name, target, args, kwargs)
         return self._derived(func, name, args, kwargs, tracked)
 
     def _empty(self, func: Callable, args: tuple, kwargs: dict) -> Any:
-        result = func(*_to_meta(args), **kwargs) if func is not torch.empty_strided else func(*args, **kwargs)
+        result = func(*to_meta(args), **kwargs) if func is not torch.empty_strided else func(*args, **kwargs)
         if not isinstance(result, torch.Tensor) or result.device.type not in ("cpu", "meta"):
             return result
         if not result.is_meta and not result.is_floating_point():
@@ -261,7 +229,7 @@ class Recorder(TorchFunctionMode):
             real = tree_map(lambda v: resolve(self._ref(v)) if v is not target else v, (args, kwargs))
             return func(*real[0], **real[1])
         base = handle.base
-        if func in _RESHAPES:
+        if func in RESHAPES:
             base.problem = base.problem or f"`{name}` changes the tensor's shape or storage"
             return func(*args, **kwargs)
         try:
@@ -274,7 +242,7 @@ class Recorder(TorchFunctionMode):
         if on_meta and type(target) in (torch.Tensor, nn.Parameter):
             try:
                 with seeded_op_probe() as probe:
-                    func(*_to_meta(args), **_to_meta(kwargs))
+                    func(*to_meta(args), **to_meta(kwargs))
                 seeded = bool(probe.seeded)
             except (NotImplementedError, RuntimeError):
                 pass  # no meta kernel, or meta cannot take it (`out=` under a device context)
@@ -337,7 +305,7 @@ class Recorder(TorchFunctionMode):
         base = Base(result.shape, result.dtype, "computed")
         if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta":
             kwargs = {**kwargs, "device": "cpu"}
-        base.creator = Op(func, args, kwargs, next(SEQ), _name(func))
+        base.creator = Op(func, args, kwargs, next(SEQ), call_name(func))
         self._advance_rng(base.creator)
         self.track(result, base)
         return result
@@ -346,8 +314,8 @@ class Recorder(TorchFunctionMode):
         handle = self.lookup(target)
         source = self.lookup(value)
         if handle is None:
-            return _DATA_SET(target, value)
-        _DATA_SET(target, value if value.is_meta else value.to("meta"))
+            return DATA_SET(target, value)
+        DATA_SET(target, value if value.is_meta else value.to("meta"))
         if source is not None and source.base is handle.base and not source.chain:
             self._layouts[id(target)] = _layout(target)
             return None
@@ -373,7 +341,7 @@ class Recorder(TorchFunctionMode):
     def _derived(self, func: Callable, name: str, args: tuple, kwargs: dict, tracked: list) -> Any:
         try:
             with seeded_op_probe() as probe:
-                result = func(*_to_meta(args), **_to_meta(kwargs))
+                result = func(*to_meta(args), **to_meta(kwargs))
         except (NotImplementedError, RuntimeError):
             # No meta kernel (_sample_dirichlet), a shape or a Python value that depends on the
             # values (a boolean mask, `if w.sum() > 0`): run it once on the real values.
