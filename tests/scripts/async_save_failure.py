@@ -47,4 +47,9 @@ if mode == "copy":
     except Exception as err:
         error = f"{type(err).__name__}: {err}"
     seconds = time.monotonic() - start
-    print("RESULT " + json.dumps({"rank": acc.global_rank, "error": error, "seconds": seconds}), flush=True)
+    # one write of the whole line: the ranks share one unbuffered pipe, and print() writes the
+    # text and its newline separately, so two ranks' lines could interleave
+    sys.stdout.write(
+        "RESULT " + json.dumps({"rank": acc.global_rank, "error": error, "seconds": seconds}) + "\n"
+    )
+    sys.stdout.flush()
