@@ -22,9 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.optim import Optimizer
 
-from minifabric.environment import DEFAULT_TIMEOUT, LocalEnvironment
+from minifabric.environment import DEFAULT_TIMEOUT
 from minifabric.init import keeping_init_records
-from minifabric.precision import Precision
 from minifabric.strategies.compile import (
     CompileOption,
     Compiler,
@@ -55,8 +54,6 @@ from minifabric.strategies.fsdp_wrap import (
 from minifabric.strategies.strategy import Strategy
 
 if TYPE_CHECKING:
-    from lightning_fabric.plugins.environments import ClusterEnvironment
-
     from minifabric.strategies.replica_group import ReplicaGroup
 
 log = logging.getLogger(__name__)
@@ -169,24 +166,9 @@ class FSDPStrategy(Strategy):
         #: this process's replica group when ``fault_tolerance`` is set (after ``acc.launch()``)
         self.replica_group: ReplicaGroup | None = None
 
-    def connect(
-        self,
-        *,
-        environment: ClusterEnvironment | LocalEnvironment,
-        device: torch.device,
-        num_processes: int,
-        num_nodes: int,
-        precision: Precision,
-    ) -> None:
-        """Receive the world (see `Strategy.connect`); raise if ``device_mesh`` does not fit it."""
-        super().connect(
-            environment=environment,
-            device=device,
-            num_processes=num_processes,
-            num_nodes=num_nodes,
-            precision=precision,
-        )
-        check_mesh_size(self.device_mesh, num_nodes * num_processes)
+    def _check_world(self) -> None:
+        """Raise if ``device_mesh`` does not fit the world."""
+        check_mesh_size(self.device_mesh, self.num_nodes * self.num_processes)
 
     # ---- the world ---------------------------------------------------------------------------
 

@@ -30,9 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from minifabric._torch import fsdp_policy, unresolved_plan_keys
-from minifabric.environment import DEFAULT_TIMEOUT, LocalEnvironment
+from minifabric.environment import DEFAULT_TIMEOUT
 from minifabric.init import materialize, recorded_places
-from minifabric.precision import Precision
 from minifabric.strategies.compile import (
     compile_children_in_place,
     compile_modules,
@@ -62,7 +61,7 @@ from minifabric.strategies.model_parallel_checks import (
 from minifabric.strategies.strategy import Strategy
 
 if TYPE_CHECKING:
-    from lightning_fabric.plugins.environments import ClusterEnvironment
+    pass
 
 TModel = TypeVar("TModel", bound=nn.Module)
 
@@ -150,23 +149,8 @@ class ModelParallelStrategy(Strategy):
 
     # ---- the world ---------------------------------------------------------------------------
 
-    def connect(
-        self,
-        *,
-        environment: ClusterEnvironment | LocalEnvironment,
-        device: torch.device,
-        num_processes: int,
-        num_nodes: int,
-        precision: Precision,
-    ) -> None:
-        """Receive the world (see `Strategy.connect`) and fix the mesh sizes; raise if they do not fit."""
-        super().connect(
-            environment=environment,
-            device=device,
-            num_processes=num_processes,
-            num_nodes=num_nodes,
-            precision=precision,
-        )
+    def _check_world(self) -> None:
+        """Fix the mesh sizes for the world; raise if they do not fit it."""
         self._sizes = resolve_sizes(
             self.data_parallel_size, self.tensor_parallel_size, self.num_nodes, self.num_processes
         )

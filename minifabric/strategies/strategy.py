@@ -106,6 +106,10 @@ class Strategy:
         self.num_processes = num_processes
         self.num_nodes = num_nodes
         self.precision = precision
+        self._check_world()
+
+    def _check_world(self) -> None:
+        """Raise if this strategy's own settings (e.g. a mesh) do not fit the world just received."""
 
     @property
     def world_size(self) -> int:
