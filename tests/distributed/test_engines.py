@@ -52,6 +52,10 @@ def reference(tmp_path_factory) -> str:
     return results[0]["weights"]
 
 
+# A rank's first line of failure: a traceback, or minifabric's report ("[minifabric] host: rank 1 stopped: ...").
+_FAILURE_LINE = re.compile(r"Traceback|\[minifabric\] (\S+: )?rank")
+
+
 def _several(commands: list[tuple[list[str], dict]], timeout: float = 120) -> list[tuple[int, str, float]]:
     """Start every command at once; return (code, output, seconds from its START line to its error).
 
@@ -63,9 +67,7 @@ def _several(commands: list[tuple[list[str], dict]], timeout: float = 120) -> li
         for session in sessions:
             code, _ = session.finish(timeout)
             started = next((t for t, line in session.lines if line.startswith("START at=")), None)
-            failed = next(
-                (t for t, line in session.lines if line.startswith(("[minifabric] rank", "Traceback"))), None
-            )
+            failed = next((t for t, line in session.lines if _FAILURE_LINE.match(line)), None)
             seconds = failed - started if started is not None and failed is not None else float("inf")
             ended.append((code, session.output, seconds))
     finally:
