@@ -10,7 +10,9 @@ A sharded checkpoint at ``path`` is a folder::
 A save writes into a fresh ``.partial-*`` folder inside ``path``. Once every rank is done, rank 0
 writes the side record and the commit record (``COMMIT.json``: every file and its size) into it,
 fsyncs, renames it to its version name, then writes ``.LATEST.tmp``, fsyncs it and renames it onto
-``LATEST``. Older versions and leftovers are removed only after that. Every step is a single rename
+``LATEST``. Older versions and leftovers are removed only after that, on a background thread (freeing
+a large file's blocks takes a quarter of a write's time), which the next save waits for before it
+creates its staging folder. Every step is a single rename
 within one folder, which POSIX makes atomic on every file system (NFS, Lustre and GPFS included),
 and at every instant ``LATEST`` names a whole version: a process killed at any point leaves ``path``
 loading as exactly the previous or exactly the new checkpoint. docs/checkpoints.md lists the points.
@@ -30,6 +32,7 @@ import os
 import re
 import shutil
 import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -169,7 +172,10 @@ def commit(staging: Staging, world_size: int, rank: int = 0) -> None:
         fault("after_file_aside", rank)
         os.rename(staging.container, staging.path)
         fsync_path(staging.path.parent)
-    remove_stale(staging.path, keep=version.name)
+    if staging.replaces_file:
+        remove_stale(staging.path, keep=version.name)  # the file moved aside lies next to path: gone now
+    else:
+        _clean_up_later(_stale(staging.path, keep=version.name))
     fault("after_cleanup", rank)
 
 
@@ -178,16 +184,61 @@ def abort(staging: Staging) -> None:
     shutil.rmtree(staging.container if staging.created else staging.work, ignore_errors=True)
 
 
+def _stale(path: Path, keep: str | None) -> list[Path]:
+    """Everything of ``path`` but ``LATEST`` and version ``keep``, and what a replaced file left beside it."""
+    inside = [
+        e
+        for e in (path.iterdir() if path.is_dir() else ())
+        if e.name not in (POINTER, keep) and _owned(e.name)
+    ]
+    beside = [
+        s
+        for s in path.parent.glob(f".{path.name}*")
+        if s.name.startswith((_aside_prefix(path), f".{path.name}{PARTIAL}"))
+    ]
+    return inside + beside
+
+
+def _remove(entries: list[Path]) -> None:
+    """Delete ``entries`` (folders with what they hold); what cannot be deleted stays for the next commit."""
+    for entry in entries:
+        try:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+        except OSError:
+            pass  # a later commit's clean-up tries again; the checkpoint itself is committed
+
+
 def remove_stale(path: Path, keep: str | None = None) -> None:
     """Delete everything of ``path`` but ``LATEST`` and version ``keep`` (rank 0, after a commit)."""
-    for entry in path.iterdir() if path.is_dir() else ():
-        if entry.name not in (POINTER, keep) and _owned(entry.name):
-            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
-    for sibling in path.parent.glob(f".{path.name}*"):
-        if sibling.name.startswith((_aside_prefix(path), f".{path.name}{PARTIAL}")):
-            shutil.rmtree(sibling, ignore_errors=True) if sibling.is_dir() else sibling.unlink(
-                missing_ok=True
-            )
+    _remove(_stale(path, keep))
+
+
+_cleanup: threading.Thread | None = None
+
+
+def _clean_up_later(entries: list[Path]) -> None:
+    """Delete ``entries`` on a background thread (rank 0, after the commit); ``wait_for_cleanup`` joins it.
+
+    The list is taken now, so a save started later never loses its staging folder to it. The thread
+    is not a daemon: the interpreter finishes the deletion before it exits; a process killed first
+    leaves the entries for the next commit to remove (``load`` never reads them).
+    """
+    global _cleanup
+    wait_for_cleanup()
+    if entries:
+        _cleanup = threading.Thread(target=_remove, args=(entries,), name="minifabric-checkpoint-cleanup")
+        _cleanup.start()
+
+
+def wait_for_cleanup() -> None:
+    """Wait until the previous commit's older versions are deleted (a save calls it before it writes)."""
+    global _cleanup
+    if _cleanup is not None:
+        _cleanup.join()
+        _cleanup = None
 
 
 def _interrupted_hint(path: Path) -> str:

@@ -139,7 +139,12 @@ def prepare(
 
 
 def _prepare_target(path: Path, form: str) -> commits.Staging | None:
-    """Check ``path``; for a sharded checkpoint create its staging folder (rank 0)."""
+    """Check ``path``; for a sharded checkpoint create its staging folder (rank 0).
+
+    Waits first for the previous commit's clean-up, so that at most one older version is on the disk
+    while this save writes.
+    """
+    commits.wait_for_cleanup()
     if form == "full":
         if message := writable_file_error(path):
             raise CheckpointError(message)

@@ -16,7 +16,7 @@ import torch
 
 from minifabric import Accelerator
 from minifabric.checkpoint import CheckpointError
-from minifabric.checkpoint.commit import FAULT_ENV
+from minifabric.checkpoint.commit import FAULT_ENV, wait_for_cleanup
 from tests.distributed.checkpoint_common import (
     Net,
     accelerator,
@@ -114,7 +114,8 @@ def test_killed_rank_leaves_previous_checkpoint_intact(tmp_path: Path, fault: st
             with pytest.raises(CheckpointError, match="interrupted save"):
                 acc.load(partial, state)
     acc.strategy.state_dict_type = "sharded"
-    acc.save(tmp_path / "ckpt", {"model": state["model"]})  # the next save clears the leftovers
+    acc.save(tmp_path / "ckpt", {"model": state["model"]})  # the next save clears the leftovers ...
+    wait_for_cleanup()  # ... on a background thread
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
         "LATEST",
         committed_digest(tmp_path / "ckpt")["pointer"],
@@ -131,6 +132,7 @@ def test_killed_after_the_pointer_leaves_the_new_checkpoint(tmp_path: Path, faul
     assert state["step"] == 2
     acc.strategy.state_dict_type = "sharded"
     acc.save(tmp_path / "ckpt", {"model": state["model"]})
+    wait_for_cleanup()
     assert len(list((tmp_path / "ckpt").iterdir())) == 2
 
 

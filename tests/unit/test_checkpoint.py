@@ -295,3 +295,74 @@ def test_a_lightning_fabric_one_file_checkpoint_resumes_with_load(tmp_path: Path
     torch.save({"model": model.state_dict(), "hparams": Namespace(lr=1)}, tmp_path / "pickled.ckpt")
     with pytest.raises(CheckpointError, match=r"arbitrary classes.*argparse\.Namespace"):
         acc.load(tmp_path / "pickled.ckpt", {"model": fresh})
+
+
+def test_the_replaced_version_is_deleted_in_the_background_and_the_next_save_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from minifabric.checkpoint import commit as commits
+
+    acc = _acc("sharded")
+    model, _ = _trained(acc)
+    path = tmp_path / "ckpt"
+    acc.save(path, {"model": model, "step": 1})
+    first = (path / "LATEST").read_text()
+    events: list[str] = []
+    release = threading.Event()
+    remove, make_staging = commits._remove, commits.make_staging
+
+    def slow_remove(entries: list[Path]) -> None:
+        release.wait(30)
+        remove(entries)
+        events.append("removed " + ",".join(e.name for e in entries))
+
+    def staging(p: Path) -> commits.Staging:
+        events.append("staging")
+        return make_staging(p)
+
+    monkeypatch.setattr(commits, "_remove", slow_remove)
+    monkeypatch.setattr(commits, "make_staging", staging)
+    acc.save(path, {"model": model, "step": 2})  # returns while the old version is still being deleted
+    second = (path / "LATEST").read_text()
+    assert events == ["staging"] and (path / first).is_dir()
+    state = {"model": Small(), "step": 0}
+    acc.load(path, state)  # the deletion in progress never touches what LATEST names
+    assert state["step"] == 2
+    threading.Timer(0.2, release.set).start()
+    acc.save(path, {"model": model, "step": 3})  # waits for the deletion before it stages
+    assert events[:3] == ["staging", f"removed {first}", "staging"]
+    commits.wait_for_cleanup()
+    assert sorted(p.name for p in path.iterdir()) == sorted(["LATEST", (path / "LATEST").read_text()])
+    assert not (path / second).exists()
+
+
+def test_a_failed_deletion_of_the_replaced_version_keeps_the_save_and_is_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    from minifabric.checkpoint import commit as commits
+
+    acc = _acc("sharded")
+    model, _ = _trained(acc)
+    path = tmp_path / "ckpt"
+    acc.save(path, {"model": model, "step": 1})
+    first = (path / "LATEST").read_text()
+    rmtree = shutil.rmtree
+
+    def refuse(entry, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(entry))
+
+    monkeypatch.setattr(shutil, "rmtree", refuse)
+    acc.save(path, {"model": model, "step": 2})  # nothing raised: the checkpoint is committed
+    commits.wait_for_cleanup()
+    assert (path / first).is_dir()
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    acc.save(path, {"model": model, "step": 3})
+    commits.wait_for_cleanup()
+    assert sorted(p.name for p in path.iterdir()) == sorted(["LATEST", (path / "LATEST").read_text()])
+    state = {"model": Small(), "step": 0}
+    acc.load(path, state)
+    assert state["step"] == 3
