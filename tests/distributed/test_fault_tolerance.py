@@ -127,25 +127,32 @@ def _records(out: Path, group: int, rank: int) -> list[dict]:
 def _batches(out: Path) -> dict[int, dict[int, list[list[int]]]]:
     """For every committed step, the samples of each group whose gradient went into it (per rank).
 
-    A group's own committed record names its samples. When the committing group counted more
-    participants than groups that recorded a commit, the other group died after its gradient was
-    averaged in: its last attempt at that step (logged before backward) supplies the samples.
+    A rank's own committed record names its samples. A rank killed after its gradient was averaged
+    in but before it recorded the commit (its group, or the other rank of its group, committed that
+    step; or the committing group counted more participants than groups that recorded a commit)
+    is read from its last attempt at that step, logged before backward.
     """
-    batches: dict[int, dict[int, list[list[int]]]] = {}
+    committed: dict[tuple[int, int, int], list[int]] = {}  # (step, group, rank) -> samples
     participants: dict[int, int] = {}
     for group in range(2):
         for rank in range(2):
             for record in _records(out, group, rank):
                 if record["committed"]:
-                    batches.setdefault(record["step"], {}).setdefault(group, []).append(record["indices"])
+                    committed[(record["step"], group, rank)] = record["indices"]
                     participants[record["step"]] = record["participants"]
-    for step, groups in batches.items():
-        for group in range(2):
-            if group not in groups and len(groups) < participants[step]:
-                for rank in range(2):
-                    attempts = [a for a in _lines(out, group, rank) if a.get("attempt") == step]
-                    groups.setdefault(group, []).append(attempts[-1]["indices"])
-        assert len(groups) == participants[step], (step, groups, participants[step])
+
+    def samples(step: int, group: int, rank: int) -> list[int]:
+        if (step, group, rank) in committed:
+            return committed[(step, group, rank)]
+        attempts = [a for a in _lines(out, group, rank) if a.get("attempt") == step]
+        return attempts[-1]["indices"]
+
+    batches: dict[int, dict[int, list[list[int]]]] = {}
+    for step, count in participants.items():
+        groups = sorted({g for (s, g, _) in committed if s == step})
+        groups += [g for g in range(2) if g not in groups][: count - len(groups)]
+        assert len(groups) == count, (step, groups, count)
+        batches[step] = {g: [samples(step, g, rank) for rank in range(2)] for g in groups}
     return batches
 
 
