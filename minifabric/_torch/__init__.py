@@ -11,7 +11,8 @@ One module per seam; import the names from here:
 - :mod:`.versions`: the supported torch range.
 - :mod:`.switches`: process-wide switches training sets (default dtype, threads, malloc, optimizer hooks).
 - :mod:`.init`: what meta-device init needs (module patches, storage keys, the seeded-op probe, frame walks).
-- :mod:`.distributed`: private ``torch.distributed`` (FSDP2 policy, DTensor layouts, store, fake worlds).
+- :mod:`.distributed`: private ``torch.distributed`` (FSDP2 policy, DTensor layouts, store, fake worlds,
+  the end-of-backward callback).
 - :mod:`.serialization`: private ``torch.serialization`` and DCP's file layout.
 - :mod:`.compiled`: ``torch.compile`` wrappers.
 """
@@ -22,6 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from minifabric._torch.compiled import compile_in_place, split_compiled
 from minifabric._torch.distributed import (
+    at_backward_end,
     checkpoint_activations,
     default_store,
     fake_tensor_mode,
@@ -57,6 +59,7 @@ from minifabric._torch.versions import MIN_TORCH_VERSION, check_torch_version
 __all__ = [
     "MIN_TORCH_VERSION",
     "TUNE_MALLOC_VAR",
+    "at_backward_end",
     "check_torch_version",
     "checkpoint_activations",
     "compile_in_place",

@@ -1,13 +1,31 @@
-"""Private parts of ``torch.distributed``: FSDP2's policy, DTensor layouts, the default store, fake worlds."""
+"""Private parts of ``torch.distributed``: FSDP2's policy, DTensor layouts, the default store, fake worlds,
+and the autograd engine's end-of-backward callback that FSDP2 itself uses."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
+
+
+def at_backward_end(callback: Callable[[], None]) -> bool:
+    """Run ``callback`` when the backward pass running now ends, before ``backward()`` returns.
+
+    The autograd engine's final callbacks, the mechanism FSDP2 uses to finish its own reduction:
+    one queued from inside a backward hook runs after every gradient of that pass is computed and
+    after the callbacks queued before it (FSDP2's own). Returns False, queueing nothing, when no
+    backward pass is running.
+    """
+    from torch.autograd import Variable
+
+    try:
+        Variable._execution_engine.queue_callback(callback)
+    except RuntimeError:  # "Final callbacks can only be installed during backward pass."
+        return False
+    return True
 
 
 def checkpoint_activations(module: nn.Module) -> None:

@@ -5,8 +5,14 @@ The strategy drives one step as torchft expects, without changing the user's loo
 1. before the step's first forward through the set-up model, :meth:`ReplicaGroup.begin_step` asks the
    lighthouse which groups take part (the *quorum*) and, if this group is behind (it was restarted),
    copies the state of a live group into this one before anything runs;
-2. in backward, each sharding unit's reduce-scattered gradient is averaged with the same shard of
-   the other live groups (FSDP2's all-reduce hook, over torchft's reconfigurable gloo group);
+2. in backward, each sharding unit's reduce-scattered gradient (one flat buffer per unit, FSDP2's
+   own bucket) is averaged with the same shard of the other live groups (FSDP2's all-reduce hook,
+   over torchft's reconfigurable gloo group). The all-reduce is started and not waited for: it runs
+   while backward goes on through the next units, and all of them are waited for once, when the
+   backward pass ends (before ``backward()`` returns, so clipping and the optimizer read averaged
+   gradients). Where FSDP would read the buffer right after the hook (a cast to another dtype, a
+   division after the reduction, an addition into gradients left from an earlier backward) the
+   unit's all-reduce is waited for at once instead;
 3. ``optimizer.step()`` calls :meth:`ReplicaGroup.commit`: the ranks of this group agree whether
    the step went through everywhere (no collective failed, enough groups took part); only then does
    the optimizer step. A step that failed is dropped by every rank of the group.
@@ -23,12 +29,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from minifabric._torch import at_backward_end
 from minifabric.strategies.fault_tolerance import FaultTolerance
 from minifabric.strategies.heal_state import (
     load_module_state,
@@ -68,6 +76,7 @@ class ReplicaGroup:
         self._in_step = False
         self._quorum_made = False
         self._decision: bool | None = None  # the last step's commit, shared by its optimizers
+        self._pending: list[Any] = []  # this backward's cross-group all-reduces still running
         self._manager = _make_manager(self, store_address)
 
     # ---- what this group holds and heals -----------------------------------------------------
@@ -87,7 +96,7 @@ class ReplicaGroup:
                 " averaged across replica groups. Set it up with `FSDPStrategy(fault_tolerance=...)`."
             )
         for unit in units:
-            unit.set_all_reduce_hook(self._average_across_groups)
+            unit.set_all_reduce_hook(partial(self._average_across_groups, _own_parameters(unit)))
         self._modules.append(module)
 
     def watch_optimizer(self, optimizer: Optimizer) -> None:
@@ -134,6 +143,7 @@ class ReplicaGroup:
         """
         if self._in_step:
             self._in_step = False
+            self._finish_all_reduces()  # none left, unless backward ran outside the autograd engine
             self._decision = bool(self._manager.should_commit())
         elif self._decision is None:
             raise RuntimeError(
@@ -142,7 +152,8 @@ class ReplicaGroup:
             )
         return self._decision
 
-    def _average_across_groups(self, shard: torch.Tensor) -> None:
+    def _average_across_groups(self, params: list[nn.Parameter], shard: torch.Tensor) -> None:
+        """FSDP2's all-reduce hook for one unit: ``shard`` is its flat reduce-scattered gradient."""
         if not self._in_step:
             raise RuntimeError(
                 "Gradients were reduced outside a step this replica group joined: run the forward"
@@ -151,7 +162,20 @@ class ReplicaGroup:
         from torch.distributed import ReduceOp
 
         # A failure (a group died mid-step) is recorded by the manager and makes `commit` False.
-        self._manager.allreduce(shard, reduce_op=ReduceOp.AVG).wait()
+        work = self._manager.allreduce(shard, reduce_op=ReduceOp.AVG)
+        if not _gradients_view(shard, params):
+            work.wait()  # FSDP reads `shard` right after this hook returns
+            return
+        if not at_backward_end(self._finish_all_reduces):  # the first one run waits for all
+            work.wait()  # not inside an autograd backward pass: nothing would wait for it later
+            return
+        self._pending.append(work)
+
+    def _finish_all_reduces(self) -> None:
+        """Wait for this backward's cross-group all-reduces (each divides by the participants)."""
+        pending, self._pending = self._pending, []
+        for work in pending:
+            work.wait()
 
     # ---- what the loop reads -----------------------------------------------------------------
 
@@ -214,6 +238,30 @@ class ReplicaGroup:
         for name, obj in self._objects.items():
             obj.load_state_dict(state["objects"][name])
         self.healed_at.append(self.step)
+
+
+def _own_parameters(unit: nn.Module) -> list[nn.Parameter]:
+    """The parameters FSDP reduces in ``unit``'s hook: its own, not those of sharding units inside it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    inner = {
+        id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule) for p in m.parameters()
+    }
+    return [p for p in unit.parameters() if id(p) not in inner]
+
+
+def _gradients_view(shard: torch.Tensor, params: list[nn.Parameter]) -> bool:
+    """Whether FSDP makes ``shard`` the gradients as it is (views), so its all-reduce may finish later.
+
+    FSDP2 reads the buffer right after the hook when it casts it to the parameters' dtype, divides
+    it after the reduction (reduce dtypes other than float32/bfloat16), or adds it into gradients
+    an earlier backward left; only CPU buffers are deferred (no streams to order).
+    """
+    return (
+        shard.device.type == "cpu"
+        and shard.dtype in (torch.float32, torch.bfloat16)
+        and all(p.dtype == shard.dtype and p.grad is None for p in params)
+    )
 
 
 def _make_manager(group: ReplicaGroup, store_address: tuple[str, int]) -> Any:

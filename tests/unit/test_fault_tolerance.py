@@ -79,3 +79,67 @@ def test_minifabric_imports_without_torchft_and_says_how_to_install_it():
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
     )
     assert "pip install 'minifabric[ft]'" in result.stdout, result.stderr
+
+
+class _Manager:
+    """Stands in for torchft's Manager: records when each all-reduce starts and is waited for."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+
+    def allreduce(self, tensor, reduce_op):
+        name = f"ar{sum(entry.startswith('start') for entry in self.log)}"
+        self.log.append(f"start {name}")
+        manager = self
+
+        class Work:
+            def wait(self) -> None:
+                manager.log.append(f"wait {name}")
+
+        return Work()
+
+
+def _group_in_step():
+    from minifabric.strategies.replica_group import ReplicaGroup
+
+    group = ReplicaGroup.__new__(ReplicaGroup)  # without torchft: only the all-reduce bookkeeping
+    group._in_step, group._pending, group._manager = True, [], _Manager()
+    return group
+
+
+def test_cross_group_all_reduces_overlap_backward_and_are_all_waited_for_before_it_returns():
+    import torch
+
+    group = _group_in_step()
+    x = torch.ones(3, requires_grad=True)
+    fp32 = torch.nn.Parameter(torch.ones(2))
+    with_grad = torch.nn.Parameter(torch.ones(2))
+    with_grad.grad = torch.zeros(2)
+
+    def unit(params, dtype):  # what FSDP2's all-reduce hook sees for one sharding unit
+        return lambda grad: group._average_across_groups(params, torch.zeros(2, dtype=dtype))
+
+    y = x * 2
+    y.register_hook(unit([fp32], torch.float32))  # deferred: the buffer becomes the gradients as is
+    z = y * 3
+    z.register_hook(unit([with_grad], torch.float32))  # FSDP adds it into an existing gradient: wait now
+    w = z * 4
+    w.register_hook(unit([fp32], torch.bfloat16))  # FSDP casts it: wait now
+    v = w * 5
+    v.register_hook(unit([fp32], torch.float32))  # deferred
+    v.sum().backward()
+    group._manager.log.append("backward returned")
+    assert group._manager.log == [
+        "start ar0",  # v's unit (backward runs from the loss down)
+        "start ar1",
+        "wait ar1",
+        "start ar2",
+        "wait ar2",
+        "start ar3",
+        "wait ar0",  # the deferred ones, once, when the backward pass ends
+        "wait ar3",
+        "backward returned",
+    ]
+    assert group._pending == []
+    group._average_across_groups([fp32], torch.zeros(2))  # outside backward: waited at once
+    assert group._manager.log[-2:] == ["start ar4", "wait ar4"]
