@@ -151,6 +151,12 @@ class Accelerator:
         second one ends the process); a script that never reads it keeps the signals' default
         action.
 
+        Inside a Ray Train worker (Ray Train v2, a function run by ``TorchTrainer.fit()``), it is
+        also True once Ray reports that a node of the run is being preempted: every read calls
+        ``ray.train.get_preemption_info()`` exactly once on every rank (Ray's own collective, so
+        a loop that also calls it itself must do so as often on every rank). Under Ray Train v1
+        and outside Ray nothing more is read, and ray is not imported.
+
         Example:
             >>> from minifabric import Accelerator
             >>> acc = Accelerator(accelerator="cpu")

@@ -8,20 +8,22 @@ and leaves the group at exit unless the process is ending with an error.
 
 The stop agreement is the read of ``should_stop`` itself: with several processes it is one tiny
 all-reduce on the stop group, so every rank must read it at the same point of the loop (as every
-rank calls ``all_reduce`` at the same point). Nothing else communicates for it: ``optimizer.step()``
-stays local.
+rank calls ``all_reduce`` at the same point). Inside a Ray Train (v2) worker the read also calls
+``ray.train.get_preemption_info()`` once, on every rank (:mod:`minifabric.ray_train`). Nothing else
+communicates for it: ``optimizer.step()`` stays local.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from minifabric import collectives, heartbeat, signals, watchdog
+from minifabric import collectives, heartbeat, ray_train, signals, watchdog
 from minifabric._torch import default_store
 from minifabric.environment import destroy_process_group, exit_barrier_group, init_process_group
 from minifabric.launcher import die_with_parent
@@ -54,6 +56,7 @@ class Lifecycle:
         self._world_size = 1
         self._stop_reads = 0  # how often this process read should_stop (signals.py asks)
         self._stop_group: dist.ProcessGroup | None = None
+        self._preempted: Callable[[], bool] | None = None  # Ray Train's notice (decided at the first read)
         self._exit_group: dist.ProcessGroup | None = None
         self._committed: Path | None = None
         self._pending: Any = None  # the handle of an asynchronous save in flight
@@ -101,17 +104,22 @@ class Lifecycle:
         return collectives.any_rank(flag, self._stop_group) if self._stop_group is not None else flag
 
     def should_stop(self) -> bool:
-        """Whether any rank received SIGTERM or SIGUSR1; a collective with several processes.
+        """Whether any rank received SIGTERM or SIGUSR1, or Ray Train reports a preemption.
 
         Every rank must call it at the same point of the loop: it is one all-reduce of a single
-        integer on this lifecycle's gloo group.
+        integer on this lifecycle's gloo group, and inside a Ray Train (v2) worker one call of
+        ``ray.train.get_preemption_info()`` (Ray's own collective, the same answer on every worker).
         """
+        if self._stop_reads == 0:
+            self._preempted = ray_train.preemption_reader()
         self._stop_reads += 1
         if self._stop_group is None and dist.is_initialized() and dist.get_world_size() > 1:
             # a process group this lifecycle did not create (adopted): every rank is at this same
             # read, so the small gloo group can be made here
             self._stop_group = dist.new_group(backend="gloo")
-        return self.any_rank(signals.stop_requested())
+        # called on every read (never skipped by a signal already received): Ray counts the calls
+        preempted = self._preempted is not None and self._preempted()
+        return self.any_rank(signals.stop_requested() or preempted)
 
     def saving(self, path: Path, handle: Any) -> None:
         """Record a save: committed now (``handle`` None) or when its asynchronous write is done."""

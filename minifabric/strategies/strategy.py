@@ -191,7 +191,7 @@ class Strategy:
 
     @property
     def should_stop(self) -> bool:
-        """Whether any rank was asked to stop (SIGTERM/SIGUSR1); a collective with several processes."""
+        """Whether any rank got SIGTERM/SIGUSR1 or Ray Train reports a preemption; a collective."""
         return self.lifecycle.should_stop()
 
     # ---- modules and optimizers --------------------------------------------------------------
