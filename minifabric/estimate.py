@@ -1,9 +1,11 @@
 """Will it fit? The per-rank peak memory of a training step, without allocating the model.
 
-The model is built under torch's ``FakeTensorMode`` (tensors with shapes but no data), set up the
-way the strategy sets it up (``fully_shard`` per block then root on a fake process group of
-``world_size`` ranks, the precision's dtypes and mixed-precision policy, activation checkpointing),
-and a training step runs under torch's memory tracker (optimizer state created beforehand) (``FSDPMemTracker`` for FSDP). The tracker
+The model is built under torch's ``FakeTensorMode`` (tensors with shapes but no data) and set up by
+the strategy itself: ``FSDPStrategy.setup_module`` (or ``ModelParallelStrategy.setup_module``) runs
+on a fake process group of ``world_size`` ranks, with the precision's dtypes and mixed-precision
+policy and activation checkpointing, so each rank holds exactly the local shards of the DTensors
+that ``fully_shard`` (and the plan) leave on it. Then a training step runs under torch's memory
+tracker (``FSDPMemTracker`` for sharded models; optimizer state created beforehand). The tracker
 sees every tensor the step creates, so activations, gradients of activations and the
 all-gather/reduce-scatter buffers come from the real forward and backward, not from a formula.
 
@@ -14,32 +16,25 @@ blocks (what each additional block adds is the same for every block).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import importlib
 import math
 from collections.abc import Callable
-from contextlib import nullcontext
-from pathlib import Path
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minifabric._torch import fake_tensor_mode, fake_world, memory_tracker
-from minifabric.estimate_tp import give_fake_storage, resolve_parallelize_fn, sharded_meta_model
+from minifabric._torch import fake_tensor_mode, fake_world, memory_tracker, swapping_module_params
+from minifabric.environment import LocalEnvironment
+from minifabric.estimate_args import Factory, model_factory, parse_bytes, resolve_parallelize_fn
 from minifabric.parameters import optimizer_parameters
-from minifabric.precision import precision_from_string
-from minifabric.strategies.fsdp_wrap import (
-    ShardSettings,
-    apply_activation_checkpointing,
-    build_mesh,
-    mixed_precision_policy,
-    repeated_block_classes,
-    select_blocks,
-    shard_model,
-)
+from minifabric.precision import Precision, precision_from_string
+from minifabric.strategies.fsdp import FSDPStrategy
+from minifabric.strategies.fsdp_wrap import apply_activation_checkpointing, repeated_block_classes
+from minifabric.strategies.model_parallel import ModelParallelStrategy
+from minifabric.strategies.strategy import Strategy
 
 StrategyName = Literal["single", "ddp", "fsdp", "model_parallel"]
 OptimizerName = Literal["adamw", "adam", "sgd"]
@@ -197,70 +192,6 @@ def _check(strategy: Any, world_size: Any, optimizer: Any, batch_shape: Any) -> 
         )
 
 
-def parse_bytes(value: int | str) -> int:
-    """``80 * 2**30``, ``"80GiB"``, ``"80GB"`` (decimal), ``"512MiB"`` -> bytes."""
-    if isinstance(value, int) and value > 0:
-        return value
-    units = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-    units |= {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-    text = str(value).strip().lower().replace(" ", "")
-    number = text.rstrip("kmgtib")
-    try:
-        parsed = int(float(number) * units[text[len(number) :]])
-    except (ValueError, KeyError):
-        parsed = 0
-    if parsed <= 0:
-        raise ValueError(f"budget={value!r} is not a size: pass bytes or a string like '80GiB' or '24GB'.")
-    return parsed
-
-
-#: builds the model; given a number of blocks, it may build only that many (a config's layer count)
-Factory = Callable[[int | None], nn.Module]
-
-
-def model_factory(model: Any, kwargs: dict[str, Any]) -> Factory:
-    """A function that builds the model, from any of the forms ``estimate_memory`` takes."""
-    if isinstance(model, str) and not Path(model).exists():
-        module_name, sep, attr = model.partition(":")
-        if not sep:
-            raise ValueError(
-                f"model={model!r} is neither a file nor an import path: pass 'pkg.module:make_model' or the"
-                " path of a Hugging Face config.json."
-            )
-        target = getattr(importlib.import_module(module_name), attr)
-        return lambda _: target(**kwargs)
-    if isinstance(model, (str, Path)) or type(model).__name__.endswith("Config"):
-        return _hf_factory(model, kwargs)
-    if callable(model):
-        return lambda _: model(**kwargs)
-    raise TypeError(f"model must be a factory, an import path or a Hugging Face config, got {model!r}.")
-
-
-def _hf_factory(config: Any, overrides: dict[str, Any]) -> Factory:
-    try:
-        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-    except ImportError:
-        raise ImportError(
-            f"Reading the Hugging Face config {config!r} needs transformers: pip install transformers"
-        ) from None
-    if not hasattr(config, "to_dict"):
-        config = AutoConfig.from_pretrained(str(config))
-    for key, value in overrides.items():
-        setattr(config, key, value)
-
-    def build(blocks: int | None) -> nn.Module:
-        cfg = copy.deepcopy(config)
-        cfg.use_cache = False  # training keeps no key/value cache
-        if blocks is not None and hasattr(cfg, "num_hidden_layers"):
-            cfg.num_hidden_layers = blocks  # building 3 layers of 80 is what takes the time
-        try:
-            return AutoModelForCausalLM.from_config(cfg)
-        except ValueError:
-            return AutoModel.from_config(cfg)
-
-    return build
-
-
 # ---- tracing -----------------------------------------------------------------------------------
 
 
@@ -288,45 +219,21 @@ def _block_list(model: nn.Module) -> nn.ModuleList | None:
 
 
 def _trace(factory: Factory, run: dict[str, Any], keep_blocks: int | None) -> dict[str, int]:
-    """Bytes per tensor kind at the peak of two fake training steps."""
+    """Bytes per tensor kind at the peak of a fake training step of the model as its strategy sets it up."""
     precision = precision_from_string(run["precision"], "cpu")
-    two_d = run["strategy"] == "model_parallel"
-    fsdp = run["strategy"] == "fsdp" or two_d
-    world = fake_world(run["world_size"]) if fsdp else nullcontext()
-    with world:
-        mesh = build_mesh("FULL_SHARD", "cpu", 1, run["world_size"]) if fsdp and not two_d else None
-        meta = None
-        if two_d:
-            meta = sharded_meta_model(
-                lambda: _kept(factory(keep_blocks), keep_blocks),
-                run["parallelize_fn"],
-                run["world_size"],
-                run["tensor_parallel_size"],
-                precision,
-                run["activation_checkpointing"],
-            )
-        with fake_tensor_mode(allow_real_inputs=two_d):
-            if meta is not None:
-                model = meta
-                give_fake_storage(model)
-            else:
-                with precision.tensor_init_context():
-                    model = _kept(factory(keep_blocks), keep_blocks)
-                model = precision.convert_module(model).train()
-            if run["activation_checkpointing"] and meta is None:
-                apply_activation_checkpointing(model, repeated_block_classes(model))
-            if mesh is not None:
-                policy = mixed_precision_policy(precision)
-                shard_model(
-                    model, select_blocks(model, None), ShardSettings(mesh, True, policy, _no_offload())
-                )
+    sharded = run["strategy"] in ("fsdp", "model_parallel")
+    mode = fake_tensor_mode(allow_real_inputs=run["strategy"] == "model_parallel")
+    with fake_world(run["world_size"]) if sharded else nullcontext():
+        model, forward_context = _set_up(
+            lambda: _kept(factory(keep_blocks), keep_blocks), precision, run, mode
+        )
+        with mode:
             optimizer = OPTIMIZERS[run["optimizer"]](model.parameters(), lr=1e-3)
-            context = nullcontext if fsdp and precision.is_mixed else precision.forward_context
             inputs = _fake_input(run["batch_shape"], run["input_dtype"])
             _create_state(optimizer)
-            tracker = memory_tracker(model, optimizer, fsdp)
+            tracker = memory_tracker(model, optimizer, sharded)
             with tracker:  # one step: the peak is in backward or in the optimizer step
-                with context():
+                with forward_context():
                     output = model(precision.convert_input(inputs))
                 _loss(output, inputs).backward()
                 optimizer.step()
@@ -339,6 +246,66 @@ def _trace(factory: Factory, run: dict[str, Any], keep_blocks: int | None) -> di
             p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
         )
     return counts
+
+
+def _set_up(
+    build: Callable[[], nn.Module], precision: Precision, run: dict[str, Any], mode: Any
+) -> tuple[nn.Module, Callable[[], AbstractContextManager]]:
+    """The model on fake tensors, set up by the run's strategy itself; and the context forward runs in.
+
+    ``"fsdp"`` goes through ``FSDPStrategy.setup_module`` and ``"model_parallel"`` through
+    ``ModelParallelStrategy.parallelize`` (its ``setup_module`` without materializing) on the fake
+    world, so what each rank holds is what ``fully_shard`` and the plan leave on it: the local
+    shards of the resulting DTensors.
+    """
+    checkpointing = run["activation_checkpointing"]
+    if run["strategy"] == "model_parallel":
+        # FSDP2 builds a new DeviceMesh for a tensor-parallel parameter, and a mesh finds its ranks
+        # with a data-dependent op (`nonzero`) that FakeTensorMode refuses: lay the model out on the
+        # meta device (no memory), then give each local shard fake storage of its shape.
+        with torch.device("meta"), precision.tensor_init_context():
+            model = build()
+        two_d = ModelParallelStrategy(
+            run["parallelize_fn"],
+            data_parallel_size=run["world_size"] // run["tensor_parallel_size"],
+            tensor_parallel_size=run["tensor_parallel_size"],
+            activation_checkpointing_policy=_checkpointed(model, checkpointing),
+        )
+        _connect(two_d, run, precision)
+        model = two_d.parallelize(model)  # setup_module's layout step (materializing is what it skips)
+        with mode, swapping_module_params():
+            model.to_empty(device="cpu")
+        return model, two_d.forward_context
+    with mode, precision.tensor_init_context():
+        model = build().train()
+    if run["strategy"] == "fsdp":
+        fsdp = FSDPStrategy(activation_checkpointing_policy=_checkpointed(model, checkpointing))
+        _connect(fsdp, run, precision)
+        fsdp.mesh  # noqa: B018  (built here, outside fake mode: a DeviceMesh holds real index tensors)
+        with mode:
+            return fsdp.setup_module(model), fsdp.forward_context
+    with mode:
+        model = precision.convert_module(model)
+        apply_activation_checkpointing(model, _checkpointed(model, checkpointing))
+    return model, precision.forward_context
+
+
+def _checkpointed(model: nn.Module, checkpointing: bool) -> set[type[nn.Module]]:
+    """The classes whose activations are recomputed: the repeated blocks, with activation checkpointing."""
+    return repeated_block_classes(model) if checkpointing else set()
+
+
+def _connect(strategy: Strategy, run: dict[str, Any], precision: Precision) -> None:
+    """Connect ``strategy`` as an Accelerator would: rank 0 of ``world_size`` processes on one node."""
+    environment = LocalEnvironment()
+    environment.set_world_size(run["world_size"])
+    strategy.connect(
+        environment=environment,
+        device=torch.device("cpu"),
+        num_processes=run["world_size"],
+        num_nodes=1,
+        precision=precision,
+    )
 
 
 def _kept(model: nn.Module, keep_blocks: int | None) -> nn.Module:
@@ -356,12 +323,6 @@ def _create_state(optimizer: torch.optim.Optimizer) -> None:
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad()
-
-
-def _no_offload() -> Any:
-    from torch.distributed.fsdp import OffloadPolicy
-
-    return OffloadPolicy()
 
 
 def _fake_input(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -33,6 +33,7 @@ from minifabric._torch import fsdp_policy, unresolved_plan_keys
 from minifabric.environment import DEFAULT_TIMEOUT
 from minifabric.init import materialize, recorded_places
 from minifabric.strategies.compile import (
+    Compiler,
     compile_children_in_place,
     compile_modules,
     split_compiled,
@@ -189,6 +190,18 @@ class ModelParallelStrategy(Strategy):
         places = recorded_places(module)  # raises before any collective if an init cannot be reproduced
         if not places:
             module = module.to(self.root_device)
+        module = self.parallelize(module, compiler)
+        if places:
+            materialize(module, places, self.root_device, self.root_device)
+        return module
+
+    def parallelize(self, module: nn.Module, compiler: Compiler | None = None) -> nn.Module:
+        """Lay ``module`` out over the mesh where it is: precision, activation checkpointing, the plan, FSDP.
+
+        The step of :meth:`setup_module` that decides what each rank holds. It moves and
+        materializes nothing, so it also runs on a model on the meta device (the memory estimator
+        does that on a fake world) and the DTensors it leaves carry each rank's local shape.
+        """
         module = self.precision.convert_module(module)
         apply_activation_checkpointing(module, self.activation_checkpointing_policy)
         fn: Callable[[nn.Module, DeviceMesh], Any] = self.parallelize_fn  # type: ignore[assignment]
@@ -204,8 +217,6 @@ class ModelParallelStrategy(Strategy):
         compiler = compiler or fn_compiler
         policy = self._shard_the_rest(module, compiler)
         self._autocast |= self.precision.is_mixed and policy.param_dtype is None
-        if places:
-            materialize(module, places, self.root_device, self.root_device)
         return module
 
     def _shard_the_rest(self, module: nn.Module, compiler: Any) -> MixedPrecisionPolicy:

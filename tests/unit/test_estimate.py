@@ -7,8 +7,10 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from minifabric import estimate_memory
+from minifabric._torch import fake_tensor_mode, fake_world
 from minifabric.cli import main
 from minifabric.estimate import _advice, _estimate, _extrapolated, _trace, model_factory, parse_bytes
 from tests.models import GPT, GPTConfig
@@ -83,13 +85,60 @@ def test_bad_input_raises_before_any_work(kwargs: dict, match: str) -> None:
         estimate_memory(make_gpt, **kwargs)
 
 
-def test_bad_model_and_an_existing_process_group_raise() -> None:
+def test_a_bad_model_raises_and_sizes_parse() -> None:
     with pytest.raises(ValueError, match="import path"):
         estimate_memory("no_such_model")
     assert parse_bytes("1.5GiB") == 3 * 2**29 and parse_bytes("24GB") == 24 * 10**9
+
+
+class _FailsInForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ZeroDivisionError("forward fails")
+
+
+def test_an_existing_process_group_is_refused_left_alone_and_the_fake_one_is_gone_afterwards() -> None:
+    """The estimator's own (fake) process group never replaces a real one and never outlives the call."""
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    with pytest.raises(RuntimeError, match=r"before `acc.launch\(\)`"):
-        estimate_memory(make_gpt, model_kwargs=SMALL, world_size=2, batch_shape=(2, 8))
+    try:
+        users = dist.group.WORLD
+        with pytest.raises(RuntimeError, match=r"already initialized. Estimate before `acc.launch\(\)`"):
+            estimate_memory(make_gpt, model_kwargs=SMALL, world_size=4, batch_shape=(2, 8))
+        assert dist.group.WORLD is users and dist.get_backend() == "gloo" and dist.get_world_size() == 1
+        total = torch.ones(2)
+        dist.all_reduce(total)  # the user's group still communicates
+        assert total.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
+    estimate_memory(make_gpt, model_kwargs=SMALL, world_size=4, batch_shape=(2, 8))
+    assert not dist.is_initialized()
+    with pytest.raises(ZeroDivisionError, match="forward fails"):  # fails inside the fake world
+        estimate_memory(_FailsInForward, world_size=2, batch_shape=(2, 4), input_dtype=torch.float32)
+    assert not dist.is_initialized()
+
+
+def test_fsdp_estimate_holds_the_local_shards_that_fully_shard_leaves() -> None:
+    """Per-rank parameters are the local shards of the DTensors the strategy made (uneven dim-0 chunks)."""
+    from minifabric.estimate import _set_up
+    from minifabric.precision import precision_from_string
+
+    run = dict(strategy="fsdp", world_size=3, activation_checkpointing=False)
+    model_kwargs = {**SMALL, "n_embd": 64, "vocab_size": 500}  # 500 rows over 3 ranks: 167, 167, 166
+    mode = fake_tensor_mode()
+    with fake_world(3):
+        model, _ = _set_up(
+            lambda: make_gpt(**model_kwargs), precision_from_string("32-true", "cpu"), run, mode
+        )
+        with mode:
+            local = {name: tuple(p.to_local().shape) for name, p in model.named_parameters()}
+    with torch.device("meta"):
+        full = {name: tuple(p.shape) for name, p in make_gpt(**model_kwargs).named_parameters()}
+    assert local.keys() == full.keys()
+    for name, shape in full.items():
+        assert local[name] == (-(-shape[0] // 3), *shape[1:]), name  # rank 0 holds the first, largest chunk
 
 
 def test_model_parallel_estimate_shards_over_both_dimensions(capsys) -> None:
