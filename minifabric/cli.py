@@ -15,7 +15,6 @@ they are.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -287,13 +286,14 @@ def _run(args: argparse.Namespace) -> None:
         "devices": str(_devices_per_node(args.devices, args.accelerator)),
         "num_nodes": str(args.num_nodes),
     }
-    for name, value in settings.items():
-        if value is not None:
-            os.environ[ENV_SETTINGS[name]] = value
+    from minifabric import process
     from minifabric.environment import available_cores
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, available_cores() // int(settings["devices"]))))
-    torchrun_main(torchrun_args(args))
+    # torchrun starts the ranks with this process's environment: the settings reach `Accelerator()` there
+    values = {ENV_SETTINGS[name]: value for name, value in settings.items() if value is not None}
+    threads = {"OMP_NUM_THREADS": str(max(1, available_cores() // int(settings["devices"])))}
+    with process.scoped_environment(values, defaults=threads):
+        torchrun_main(torchrun_args(args))
 
 
 def _consolidate(args: argparse.Namespace) -> None:

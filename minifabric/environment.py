@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from minifabric import process
 from minifabric._torch import intra_op_threads
 from minifabric.rendezvous import World, join
 
@@ -122,7 +123,7 @@ class LocalEnvironment:
 
     def teardown(self) -> None:
         """Forget the world size set for this run."""
-        os.environ.pop("WORLD_SIZE", None)
+        process.forget_world_size()
 
 
 class ProcessGroupEnvironment(LocalEnvironment):

@@ -76,31 +76,26 @@ class LocalLauncher(Launcher):
     def launch(self, join: Callable[[], None], function: Callable | None, *args: Any) -> Any:
         if function is None:
             command = _script_command()
-            ranks = {
-                rank: _ScriptRank(command, _world_env(self.num_processes, self.main_address, rank))
-                for rank in range(self.num_processes)
-            }
+            envs = _world_envs(self.num_processes, self.main_address)
+            ranks = {rank: _ScriptRank(command, env) for rank, env in enumerate(envs)}
             code = _Supervisor(ranks).run()
             # this process only supervised: skip the interpreter's teardown (seconds with torch loaded)
             process.hard_exit(code)
         return _spawn(self.num_processes, self.main_address, join, function, args)
 
 
-def _world_env(num_processes: int, main_address: str, local_rank: int) -> dict[str, str]:
-    return {
+def _world_envs(num_processes: int, main_address: str) -> list[dict[str, str]]:
+    """The variables each local rank is started with (one port, chosen once, for every rank)."""
+    port = os.environ.get("MASTER_PORT") or str(find_free_port())
+    world = {
         "MASTER_ADDR": main_address,
-        "MASTER_PORT": os.environ.get("MASTER_PORT") or _shared_port(),
+        "MASTER_PORT": port,
         "WORLD_SIZE": str(num_processes),
         "LOCAL_WORLD_SIZE": str(num_processes),
         "NODE_RANK": "0",
-        "LOCAL_RANK": str(local_rank),
         _PARENT_PID_VAR: str(os.getpid()),
     }
-
-
-def _shared_port() -> str:
-    os.environ["MASTER_PORT"] = str(find_free_port())  # every rank of this launch gets the same one
-    return os.environ["MASTER_PORT"]
+    return [{**world, "LOCAL_RANK": str(rank)} for rank in range(num_processes)]
 
 
 def _script_command() -> list[str]:
@@ -270,7 +265,7 @@ def die_with_parent() -> None:
 
 
 def _spawn_entry(env: dict[str, str], payload: bytes, result_path: str) -> None:
-    os.environ.update(env)
+    process.become_rank(env)
     join, function, args = pickle.loads(payload)
     signals.install(rank=int(env["LOCAL_RANK"]))
     die_with_parent()
@@ -305,12 +300,10 @@ def _spawn(num_processes: int, main_address: str, join: Callable, function: Call
         ranks = {
             rank: _SpawnedRank(
                 context.Process(
-                    target=_spawn_entry,
-                    args=(_world_env(num_processes, main_address, rank), payload, result_path),
-                    name=f"minifabric-rank-{rank}",
+                    target=_spawn_entry, args=(env, payload, result_path), name=f"minifabric-rank-{rank}"
                 )
             )
-            for rank in range(num_processes)
+            for rank, env in enumerate(_world_envs(num_processes, main_address))
         }
         code = _Supervisor(ranks).run()
         if code != 0:

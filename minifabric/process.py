@@ -1,7 +1,7 @@
-"""Process-wide switches that are not torch's: the exception hook, signal handlers, exit handlers, exit.
+"""Process-wide switches that are not torch's: the exception hook, signals, exit, environment variables.
 
-A Python process has one ``sys.excepthook``, one handler per signal and one list of exit handlers,
-shared by the user's code, torch and minifabric. Changing any of them changes the whole process,
+A Python process has one ``sys.excepthook``, one handler per signal, one list of exit handlers and
+one environment (``os.environ``), shared by the user's code, torch and minifabric. Changing any of them changes the whole process,
 so minifabric does it only here (torch's own switches are in :mod:`minifabric._torch`): each
 switch is one named helper that says why it exists and gives back a way to undo it (a context
 manager, or a returned ``undo``). ``tests/unit/test_process_switches.py`` checks that no other
@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any, NoReturn
@@ -164,3 +164,75 @@ def swap_class(obj: Any, cls: type) -> Callable[[], None]:
         obj.__class__ = previous
 
     return undo
+
+
+# ---- environment variables -----------------------------------------------------------------------
+# The environment is read by the user's code, torch, Lightning and every process this one starts.
+# Building a dict for a child process (``{**os.environ, ...}`` passed to ``Popen``) changes nothing
+# here and needs no helper.
+
+
+@contextmanager
+def scoped_environment(
+    values: Mapping[str, str] | None = None, defaults: Mapping[str, str] | None = None
+) -> Iterator[None]:
+    """Inside, ``values`` are set and ``defaults`` are set where unset; on exit each variable is as before.
+
+    Why: some programs this process starts read their settings only from the environment, and only
+    as they start (torchrun's agent passes its environment on to the ranks; torchft's servers read
+    ``RUST_LOG``). The variables are set for that start and taken back afterwards, so a call from the
+    user's own process (``minifabric.cli.main([...])``, a replica group) leaves their environment as it was.
+    """
+    wanted = dict(values or {})
+    wanted.update({name: value for name, value in (defaults or {}).items() if name not in os.environ})
+    before = {name: os.environ.get(name) for name in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def become_rank(variables: Mapping[str, str]) -> None:
+    """Put this rank's place in the run (``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, ...) in its environment.
+
+    Why: a rank started by ``launch(fn)`` (multiprocessing spawn) inherits its parent's environment,
+    not the variables torchrun gives a rank, and minifabric, torch and Lightning's helpers read the
+    rank's place from there. Kept for the life of the process, which is that rank.
+    """
+    os.environ.update(variables)
+
+
+def publish_main_address(address: str, port: int) -> None:
+    """Set ``MASTER_ADDR`` and ``MASTER_PORT`` to the address the process group was created with.
+
+    Why: the address may have been found rather than given (from a scheduler's node list, or a
+    default); whatever reads these variables after the join (the environment's ``main_address``, a
+    replica group's store, a library that opens its own connection to rank 0) must reach the same
+    rank 0. Kept for the life of the process, as torchrun's variables are.
+    """
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
+
+
+def export_seed(seed: int, workers: bool) -> None:
+    """Set ``PL_GLOBAL_SEED`` and ``PL_SEED_WORKERS``, as Lightning's ``seed_everything`` does.
+
+    Why: Lightning's data-loader worker seeding (``pl_worker_init_function``), a later
+    ``seed_everything()`` without a seed and the processes this one starts read the run's seed
+    from there. Kept: the seed is the run's.
+    """
+    os.environ["PL_GLOBAL_SEED"] = str(seed)
+    os.environ["PL_SEED_WORKERS"] = str(int(workers))
+
+
+def forget_world_size() -> None:
+    """Remove ``WORLD_SIZE`` from the environment, as Lightning's ``LightningEnvironment.teardown`` does.
+
+    Why: a ``WORLD_SIZE`` left from a finished run would be read as the size of the next run
+    started from this process.
+    """
+    os.environ.pop("WORLD_SIZE", None)

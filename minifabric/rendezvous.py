@@ -33,6 +33,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from minifabric import process
+
 log = logging.getLogger(__name__)
 
 #: environment variable: seconds to wait for every rank to arrive at the start of a run
@@ -242,7 +244,7 @@ def join(world: World, backend: str, timeout: timedelta) -> None:
     check_world(world)
     resolve_address(world)
     seconds = join_timeout(world, timeout)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = world.address, str(world.port)
+    process.publish_main_address(world.address, world.port)
     store = _connect(world, seconds)
     _meet(store, world, seconds)
     store.set_timeout(timeout)

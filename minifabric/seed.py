@@ -8,6 +8,8 @@ import random
 
 import torch
 
+from minifabric import process
+
 _MAX_SEED = 2**32 - 1  # numpy accepts uint32 seeds
 
 
@@ -33,12 +35,11 @@ def seed_everything(seed: int | None = None, workers: bool = False) -> int:
             raise ValueError(f"PL_GLOBAL_SEED={env_seed!r} is not an int; set it to e.g. 42.") from None
     if not 0 <= seed <= _MAX_SEED:
         raise ValueError(f"seed={seed!r} is out of range: pass an int from 0 to {_MAX_SEED}.")
-    os.environ["PL_GLOBAL_SEED"] = str(seed)
     random.seed(seed)
     if importlib.util.find_spec("numpy") is not None:
         import numpy as np
 
         np.random.seed(seed)
     torch.manual_seed(seed)
-    os.environ["PL_SEED_WORKERS"] = str(int(workers))
+    process.export_seed(seed, workers)
     return seed

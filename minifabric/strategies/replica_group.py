@@ -26,9 +26,6 @@ some shards' gradients), which would break that equality.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -36,6 +33,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from minifabric import process
 from minifabric._torch import at_backward_end
 from minifabric.strategies.fault_tolerance import FaultTolerance
 from minifabric.strategies.heal_state import (
@@ -266,7 +264,8 @@ def _gradients_view(shard: torch.Tensor, params: list[nn.Parameter]) -> bool:
 
 def _make_manager(group: ReplicaGroup, store_address: tuple[str, int]) -> Any:
     settings = group.settings
-    with _quiet_rust_logs():
+    # torchft's Rust servers log at warning level while they start, unless the user set RUST_LOG
+    with process.scoped_environment(defaults={_RUST_LOG_VAR: "warn"}):
         torchft = _import_torchft()
         pg = torchft.ProcessGroupGloo(timeout=settings.timeout)
         return torchft.Manager(
@@ -296,16 +295,3 @@ def _import_torchft() -> Any:
             " pip install 'minifabric[ft]'"
         ) from err
     return torchft
-
-
-@contextmanager
-def _quiet_rust_logs() -> Iterator[None]:
-    """Default torchft's Rust log level to warnings while its servers start (a user's RUST_LOG wins)."""
-    before = os.environ.get(_RUST_LOG_VAR)
-    if before is None:
-        os.environ[_RUST_LOG_VAR] = "warn"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(_RUST_LOG_VAR, None)

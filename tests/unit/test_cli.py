@@ -79,6 +79,8 @@ def test_settings_reach_the_script_through_the_environment(torchrun, monkeypatch
     assert env["MINIFABRIC_PRECISION"] == "bf16-mixed"
     assert env["MINIFABRIC_ACCELERATOR"] == "cpu"
     assert env["OMP_NUM_THREADS"]
+    # only for torchrun's start: the calling process's environment is as it was
+    assert "MINIFABRIC_STRATEGY" not in os.environ and "MINIFABRIC_PRECISION" not in os.environ
 
 
 def test_devices_auto_on_cpu_is_one(torchrun):

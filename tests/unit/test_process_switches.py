@@ -1,5 +1,8 @@
 """Process-wide switches and private torch imports live in the bottom layer only; strategies never import checkpoint.
 
+Writes to the process's own environment (``os.environ``) are switches too, allowed in
+``minifabric/process.py`` alone; building a dict for a child process from it is not a write.
+
 Read from the source (AST), not from a running process: a switch set on a rare path (a failure, a
 signal) is found as surely as one set at import.
 """
@@ -7,6 +10,7 @@ signal) is found as surely as one set at import.
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "minifabric"
@@ -34,6 +38,12 @@ SWITCH_CALLS = {
     (None, "set_crc32_options"),
 }
 
+#: the one module that may write the process's own environment variables
+ENVIRONMENT_WRITERS = {"minifabric/process.py"}
+
+#: methods of ``os.environ`` that change it
+_ENVIRON_MUTATORS = {"setdefault", "pop", "popitem", "update", "clear", "__setitem__", "__delitem__"}
+
 #: Work elsewhere in the tree that moves these into the bottom layer; each entry is an exception
 #: that is known today. Nothing may be added here: remove entries as they are fixed.
 KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()
@@ -59,6 +69,53 @@ def _absolute(name: str, module: str | None, level: int) -> str:
         return module or ""
     package = name[: -len(".py")].split("/")[:-level]
     return ".".join([*package, *([module] if module else [])])
+
+
+def _is_environ(node: ast.expr) -> bool:
+    """``os.environ`` (or ``environ`` imported from ``os``) itself, not a copy of it."""
+    if isinstance(node, ast.Attribute):
+        return node.attr == "environ" and isinstance(node.value, ast.Name) and node.value.id == "os"
+    return isinstance(node, ast.Name) and node.id == "environ"
+
+
+def _unpacked(targets: list[ast.expr]) -> list[ast.expr]:
+    """The single targets of an assignment (``a, b[0] = ...`` -> ``a``, ``b[0]``)."""
+    out: list[ast.expr] = []
+    for target in targets:
+        if isinstance(target, ast.Tuple | ast.List):
+            out += _unpacked(list(target.elts))
+        else:
+            out.append(target.value if isinstance(target, ast.Starred) else target)
+    return out
+
+
+def _environment_writes(name: str, tree: ast.Module) -> set[tuple[str, str]]:
+    """Where ``name`` changes ``os.environ`` (or could: an alias of it). A dict built from it is a copy."""
+    found: set[tuple[str, str]] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign | ast.Delete):
+            targets = node.targets if isinstance(node, ast.Assign | ast.Delete) else [node.target]
+            for target in _unpacked(targets):
+                if isinstance(target, ast.Subscript) and _is_environ(target.value):
+                    found.add((name, "writes os.environ[...]"))
+                elif _is_environ(target):
+                    found.add((name, "replaces os.environ"))
+            value = getattr(node, "value", None)
+            if value is not None and _is_environ(value):
+                found.add((name, "binds os.environ to a name (copy it instead: dict(os.environ))"))
+        elif isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute) and _is_environ(func.value) and func.attr in _ENVIRON_MUTATORS:
+                found.add((name, f"calls os.environ.{func.attr}"))
+            attr = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            owner = (
+                func.value.id
+                if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+                else "os"
+            )
+            if attr in ("putenv", "unsetenv") and owner == "os":
+                found.add((name, f"calls os.{attr}"))
+    return found
 
 
 def _violations(name: str, tree: ast.Module) -> set[tuple[str, str]]:
@@ -117,6 +174,81 @@ def test_only_the_bottom_layer_sets_process_wide_switches_or_imports_private_tor
         " minifabric/_torch/ (one named, scoped helper each); strategies/ must not import checkpoint/:\n"
         + "\n".join(f"  {path}: {what}" for path, what in new)
     )
+
+
+def test_only_process_py_writes_the_environment():
+    found = set().union(
+        *(_environment_writes(name, tree) for name, tree in _modules() if name not in ENVIRONMENT_WRITERS)
+    )
+    assert not found, (
+        "Writes to os.environ change the whole process: put them in a named helper of"
+        " minifabric/process.py (scoped where the change is temporary). A dict for a child process"
+        " (`{**os.environ, ...}`) is fine:\n" + "\n".join(f"  {path}: {what}" for path, what in sorted(found))
+    )
+
+
+def test_the_environment_checker_tells_writes_from_copies():
+    source = """
+import os
+from os import environ
+os.environ["A"] = "1"
+os.environ["A"] += "1"
+x, os.environ["B"] = 1, "2"
+del os.environ["A"]
+environ["C"] = "3"
+os.environ.setdefault("D", "4")
+os.environ.pop("D", None)
+os.environ.update({"E": "5"})
+os.environ.clear()
+os.putenv("F", "6")
+os.unsetenv("F")
+os.environ = {}
+alias = os.environ
+# copies and reads are not writes
+env = dict(os.environ)
+env["G"] = "7"
+child = {**os.environ, "H": "8"}
+copy = os.environ.copy()
+copy.pop("H", None)
+value = os.environ.get("I") or os.environ["J"]
+subprocess.Popen(["true"], env={**os.environ, "K": "9"})
+"""
+    found = {what for _, what in _environment_writes("minifabric/x.py", ast.parse(source))}
+    assert found == {
+        "writes os.environ[...]",
+        "calls os.environ.setdefault",
+        "calls os.environ.pop",
+        "calls os.environ.update",
+        "calls os.environ.clear",
+        "calls os.putenv",
+        "calls os.unsetenv",
+        "replaces os.environ",
+        "binds os.environ to a name (copy it instead: dict(os.environ))",
+    }, found
+    per_line = [_environment_writes("minifabric/x.py", ast.parse(line)) for line in source.splitlines()]
+    assert sum(1 for hits in per_line if hits) == 13  # one per writing line above, none for a copy
+
+
+def test_scoped_environment_restores_every_variable(monkeypatch):
+    from minifabric import process
+
+    monkeypatch.setenv("MF_TEST_SET", "before")
+    monkeypatch.setenv("MF_TEST_KEPT", "user")
+    monkeypatch.delenv("MF_TEST_NEW", raising=False)
+    monkeypatch.delenv("MF_TEST_DEFAULT", raising=False)
+    try:
+        with process.scoped_environment(
+            {"MF_TEST_SET": "inside", "MF_TEST_NEW": "inside"},
+            defaults={"MF_TEST_KEPT": "default", "MF_TEST_DEFAULT": "default"},
+        ):
+            assert os.environ["MF_TEST_SET"] == "inside" and os.environ["MF_TEST_NEW"] == "inside"
+            assert os.environ["MF_TEST_KEPT"] == "user"  # a default never overrides the user's value
+            assert os.environ["MF_TEST_DEFAULT"] == "default"
+            raise KeyError("the body fails")
+    except KeyError:
+        pass
+    assert os.environ["MF_TEST_SET"] == "before" and os.environ["MF_TEST_KEPT"] == "user"
+    assert "MF_TEST_NEW" not in os.environ and "MF_TEST_DEFAULT" not in os.environ
 
 
 def test_the_bottom_layer_is_exactly_the_listed_modules():
