@@ -101,6 +101,11 @@ class TruePrecision(Precision):
         self.param_dtype = self.compute_dtype = dtype
 
     def convert_module(self, module: nn.Module) -> nn.Module:
+        floating = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
+        if all(t.dtype == self.param_dtype for t in floating):
+            # built in `init_module` (or converted) already: nothing to cast. torch cannot cast the
+            # parameters of a model under FakeTensorMode, which `estimate_memory` builds in this dtype.
+            return module
         if self.param_dtype == torch.float64:
             return (
                 module.double()

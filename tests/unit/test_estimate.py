@@ -164,3 +164,14 @@ def test_model_parallel_estimate_shards_over_both_dimensions(capsys) -> None:
     main(["estimate", "tests.tp_models:TPTransformer", "--strategy", "model_parallel", "--world-size", "4",
           "--tensor-parallel-size", "2", "--parallelize", "tests.tp_models:parallelize", "--batch-shape", "2,8"])  # fmt: skip
     assert "model_parallel x 4" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("strategy", "world_size"), [("single", 1), ("fsdp", 2)])
+def test_a_true_precision_stores_the_parameters_in_its_dtype(strategy: str, world_size: int) -> None:
+    """``"bf16-true"``: the model is built in bfloat16, so its parameters and optimizer state take half."""
+    run = dict(model_kwargs=SMALL, strategy=strategy, world_size=world_size, batch_shape=(2, 32))
+    fp32 = estimate_memory(make_gpt, precision="32-true", **run)  # type: ignore[arg-type]
+    bf16 = estimate_memory(make_gpt, precision="bf16-true", **run)  # type: ignore[arg-type]
+    assert bf16.optimizer_state == pytest.approx(fp32.optimizer_state / 2, rel=0.01)
+    if strategy == "single":
+        assert bf16.parameters == pytest.approx(fp32.parameters / 2, rel=0.01)
