@@ -45,14 +45,10 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     # FSDP (and torch's DTensor) is imported on first use: see minifabric.strategies
-    if name == "FSDPStrategy":
-        from minifabric.strategies.fsdp import FSDPStrategy
+    if name in ("FSDPStrategy", "ModelParallelStrategy"):
+        from minifabric import strategies
 
-        return FSDPStrategy
-    if name == "ModelParallelStrategy":
-        from minifabric.strategies.model_parallel import ModelParallelStrategy
-
-        return ModelParallelStrategy
+        return getattr(strategies, name)
     if name == "estimate_memory":
         from minifabric.estimate import estimate_memory
 

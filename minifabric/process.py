@@ -31,14 +31,7 @@ def set_excepthook(hook: Callable[..., Any]) -> Callable[[], None]:
     Why: an uncaught exception on one rank must be reported with the rank's number and end the
     process at once (the launcher then ends the others), not after the interpreter's slow teardown.
     """
-    previous = sys.excepthook
-    sys.excepthook = hook
-
-    def undo() -> None:
-        if sys.excepthook is hook:
-            sys.excepthook = previous
-
-    return undo
+    return _replace(sys, "excepthook", hook)
 
 
 def set_thread_excepthook(hook: Callable[[threading.ExceptHookArgs], Any]) -> Callable[[], None]:
@@ -48,12 +41,17 @@ def set_thread_excepthook(hook: Callable[[threading.ExceptHookArgs], Any]) -> Ca
     that thread, and training goes on without it (a data-loading thread, a logger). A rank ends
     instead, as for an exception in the main thread, so the run does not go on half-broken.
     """
-    previous = threading.excepthook
-    threading.excepthook = hook
+    return _replace(threading, "excepthook", hook)
+
+
+def _replace(owner: Any, name: str, hook: Callable[..., Any]) -> Callable[[], None]:
+    """Set ``owner.name`` to ``hook``; return an undo that restores the previous value while ``hook`` is still set."""
+    previous = getattr(owner, name)
+    setattr(owner, name, hook)
 
     def undo() -> None:
-        if threading.excepthook is hook:
-            threading.excepthook = previous
+        if getattr(owner, name) is hook:
+            setattr(owner, name, previous)
 
     return undo
 

@@ -297,6 +297,22 @@ def test_a_lightning_fabric_one_file_checkpoint_resumes_with_load(tmp_path: Path
         acc.load(tmp_path / "pickled.ckpt", {"model": fresh})
 
 
+def _saved_once(tmp_path: Path) -> tuple[Accelerator, nn.Module, Path, str]:
+    """A sharded checkpoint at ``tmp_path / "ckpt"``; returns the accelerator, model, path and version."""
+    acc = _acc("sharded")
+    model, _ = _trained(acc)
+    path = tmp_path / "ckpt"
+    acc.save(path, {"model": model, "step": 1})
+    return acc, model, path, (path / "LATEST").read_text()
+
+
+def _only_the_latest_version(path: Path) -> bool:
+    from minifabric.checkpoint.commit import wait_for_cleanup
+
+    wait_for_cleanup()
+    return sorted(p.name for p in path.iterdir()) == sorted(["LATEST", (path / "LATEST").read_text()])
+
+
 def test_the_replaced_version_is_deleted_in_the_background_and_the_next_save_waits_for_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -304,11 +320,7 @@ def test_the_replaced_version_is_deleted_in_the_background_and_the_next_save_wai
 
     from minifabric.checkpoint import commit as commits
 
-    acc = _acc("sharded")
-    model, _ = _trained(acc)
-    path = tmp_path / "ckpt"
-    acc.save(path, {"model": model, "step": 1})
-    first = (path / "LATEST").read_text()
+    acc, model, path, first = _saved_once(tmp_path)
     events: list[str] = []
     release = threading.Event()
     remove, make_staging = commits._remove, commits.make_staging
@@ -333,8 +345,7 @@ def test_the_replaced_version_is_deleted_in_the_background_and_the_next_save_wai
     threading.Timer(0.2, release.set).start()
     acc.save(path, {"model": model, "step": 3})  # waits for the deletion before it stages
     assert events[:3] == ["staging", f"removed {first}", "staging"]
-    commits.wait_for_cleanup()
-    assert sorted(p.name for p in path.iterdir()) == sorted(["LATEST", (path / "LATEST").read_text()])
+    assert _only_the_latest_version(path)
     assert not (path / second).exists()
 
 
@@ -345,11 +356,7 @@ def test_a_failed_deletion_of_the_replaced_version_keeps_the_save_and_is_retried
 
     from minifabric.checkpoint import commit as commits
 
-    acc = _acc("sharded")
-    model, _ = _trained(acc)
-    path = tmp_path / "ckpt"
-    acc.save(path, {"model": model, "step": 1})
-    first = (path / "LATEST").read_text()
+    acc, model, path, first = _saved_once(tmp_path)
     rmtree = shutil.rmtree
 
     def refuse(entry, *args, **kwargs):
@@ -361,8 +368,7 @@ def test_a_failed_deletion_of_the_replaced_version_keeps_the_save_and_is_retried
     assert (path / first).is_dir()
     monkeypatch.setattr(shutil, "rmtree", rmtree)
     acc.save(path, {"model": model, "step": 3})
-    commits.wait_for_cleanup()
-    assert sorted(p.name for p in path.iterdir()) == sorted(["LATEST", (path / "LATEST").read_text()])
+    assert _only_the_latest_version(path)
     state = {"model": Small(), "step": 0}
     acc.load(path, state)
     assert state["step"] == 3
