@@ -15,7 +15,10 @@ collective), the thread
 - **watches**: a peer whose counter has not moved for :func:`heartbeat_timeout` seconds
   (``MINIFABRIC_HEARTBEAT_TIMEOUT``, default 60; 0 turns the heartbeat off) is silent: this rank
   prints which rank (host, pid) and why, kills it if it runs on this host, and ends with code 1.
-  A peer on this host whose process is gone (killed by a signal) is named the same way at once;
+  A peer on this host whose process is gone (killed by a signal) is named the same way at once,
+  with its signal: a second thread sleeps on a pidfd per peer of this host and, the moment one
+  ends, reads its exit status from ``/proc`` before its parent (a launcher, torchrun's agent)
+  collects it, and posts it for the other ranks;
 - **listens**: a rank that fails with a report (an uncaught exception, also in a background
   thread, Ctrl-C, a preemption signal that ends it) posts one line under one key before it ends
   (the first post wins); every other rank prints that line as the cause and ends with code 1.
@@ -27,6 +30,7 @@ goes unnoticed, the collective timeout how long a legitimate collective may wait
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import threading
@@ -61,19 +65,43 @@ def heartbeat_timeout() -> float:
     return seconds
 
 
-def _pid_gone(pid: int) -> bool:
-    """Whether process ``pid`` of this host has ended (gone, or a zombie not reaped yet)."""
+def _pid_ended(pid: int) -> tuple[bool, str | None]:
+    """Whether process ``pid`` of this host has ended, and how, while the kernel still tells.
+
+    Until its parent (a launcher, torchrun's agent) reaps it, an ended process is a zombie whose
+    ``/proc/PID/stat`` holds its wait status (the last field, Linux >= 3.5): "was killed by SIGSEGV",
+    "exited with code 3". Once reaped it is gone and only "ended" is known (how: None).
+    """
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+            fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            return True
+            return True, None
         except PermissionError:
-            return False
-        return False
+            return False, None
+        return False, None
+    if fields[0] not in ("Z", "X"):
+        return False, None
+    return True, _describe_status(int(fields[-1])) if len(fields) == _STAT_FIELDS_AFTER_NAME else None
+
+
+#: fields of /proc/PID/stat after the command name, up to and including exit_code (Linux >= 3.5)
+_STAT_FIELDS_AFTER_NAME = 50
+
+
+def _describe_status(status: int) -> str | None:
+    """A wait status as words; None for 0 (a clean exit, or a status the kernel did not show us)."""
+    if status & 0x7F:
+        try:
+            name = signal.Signals(status & 0x7F).name
+        except ValueError:
+            name = f"signal {status & 0x7F}"
+        return f"was killed by {name}"
+    code = (status >> 8) & 0xFF
+    return f"exited with code {code}" if code else None
 
 
 class Heartbeat:
@@ -85,12 +113,15 @@ class Heartbeat:
         self.peers: dict[int, tuple[str, int]] = {}  # rank -> (host, pid), as each peer posted it
         self.stopped = threading.Event()
         self._thread: threading.Thread | None = None
+        self._dead: str | None = None  # what this rank saw of a peer that ended without a report
 
     def start(self) -> None:
         """Post who this rank is and start beating and watching."""
         self.store.set(f"{_PREFIX}/id/{self.rank}", f"{HOST} {os.getpid()}")
         self._thread = threading.Thread(target=self._run, name="minifabric-heartbeat", daemon=True)
         self._thread.start()
+        if hasattr(os, "pidfd_open"):  # Linux >= 5.3: be woken the moment a peer on this host ends
+            threading.Thread(target=self._watch_exits, name="minifabric-exit-watch", daemon=True).start()
 
     def stop(self) -> None:
         """Stop, and tell the peers that this rank left on purpose (it is not silent)."""
@@ -122,20 +153,77 @@ class Heartbeat:
             return None
         return None if int(rank) == self.rank else text
 
-    def dead_peer(self) -> int | None:
-        """A peer on this host whose process has ended without leaving, if any."""
-        for rank, (host, pid) in self.peers.items():
-            if rank != self.rank and host == HOST and _pid_gone(pid) and not self._left(rank, unknown=False):
-                return rank
-        return None
+    def dead_peer(self) -> tuple[int, str | None] | None:
+        """A peer on this host whose process has ended without leaving, and how if still known.
+
+        One killed by a signal comes first: a peer that exited with a code may have ended because
+        of it.
+        """
+        dead = []
+        for rank, (host, pid) in sorted(self.peers.items()):
+            if rank == self.rank or host != HOST:
+                continue
+            ended, how = _pid_ended(pid)
+            if ended and not self._left(rank, unknown=False):
+                dead.append((rank, how))
+        dead.sort(key=lambda found: not (found[1] or "").startswith("was killed"))
+        return dead[0] if dead else None
 
     def culprit(self) -> str | None:
-        """What this rank knows about which rank ended the run: a posted cause, or a dead peer."""
+        """What this rank knows about which rank ended the run: a posted cause, or a dead peer.
+
+        A dead peer, with its signal or exit code read while it is a zombie, is posted for the ranks
+        that look later (after its parent reaped it, or on other hosts).
+        """
         posted = self.posted_fault()
         if posted is not None:
             return posted
-        dead = self.dead_peer()
-        return None if dead is None else f"{self.describe(dead)} ended without a report (killed by a signal?)"
+        if self._dead is None:
+            dead = self.dead_peer()
+            if dead is None:
+                return None
+            self._saw_dead(*dead)
+        return self._dead
+
+    def _saw_dead(self, rank: int, how: str | None) -> None:
+        if self._dead is None:
+            self._dead = f"{self.describe(rank)} {how or 'ended without a report (killed by a signal?)'}"
+            self.post_fault(self._dead)  # the first rank that sees it tells the others (first post wins)
+
+    def _watch_exits(self) -> None:
+        """Wait on a pidfd per peer of this host; when one ends, read how before its parent reaps it.
+
+        A launcher collects an ended rank within its polling interval (torchrun: 0.1 s), and then
+        its signal is lost; this thread sleeps in ``poll`` and reads it at once.
+        """
+        poller = select.poll()
+        watched: dict[int, int] = {}  # pidfd -> rank
+        seen: set[int] = {self.rank}  # ranks watched or done
+        while not self.stopped.is_set():
+            learning = len(self.peers) < self.world_size
+            if learning:
+                try:
+                    self._learn_peers()
+                except Exception:  # the store is gone: the run is ending
+                    return
+            for rank, (host, pid) in list(self.peers.items()):
+                if rank in seen or host != HOST:
+                    continue
+                seen.add(rank)
+                try:
+                    fd = os.pidfd_open(pid)
+                except OSError:  # gone already: the heartbeat's own scan names it
+                    continue
+                watched[fd] = rank
+                poller.register(fd, select.POLLIN)
+            for fd, _ in poller.poll(50 if learning else 1000):
+                rank = watched.pop(fd)
+                poller.unregister(fd)
+                ended, how = _pid_ended(self.peers[rank][1])
+                os.close(fd)
+                # a store that cannot tell (it lived in the rank that ended) blames nobody
+                if ended and not self.stopped.is_set() and not self._left(rank, unknown=True):
+                    self._saw_dead(rank, how)
 
     def _left(self, rank: int, unknown: bool = True) -> bool:
         """Whether ``rank`` left on purpose; ``unknown`` when the store cannot tell (it lived in a rank that ended)."""
@@ -239,5 +327,5 @@ def culprit(wait: float = 0.0) -> str | None:
         found = _heartbeat.culprit()
         if found is not None or time.monotonic() >= deadline:
             return found
-        time.sleep(0.05)
+        time.sleep(0.01)  # often enough to read a dead peer's status before its parent reaps it
     return None

@@ -6,7 +6,8 @@ step are drawn at random (seeded by the case, so a failure reproduces). Each cas
 
 - every process of the run is gone within 10 s of the fault (a silent rank: within the heartbeat
   timeout, here 4 s, plus those 10 s), and the run's exit code is non-zero;
-- the first ``[minifabric]`` line names the faulty rank, its host and the cause;
+- the first ``[minifabric]`` line names the faulty rank, its host and the cause (for a rank killed
+  by a signal: the signal, also under torchrun, where a surviving rank names it);
 - the checkpoint committed at step 2 loads, and nothing half-written is left beside it.
 """
 
@@ -45,11 +46,15 @@ CAUSES = {
     "disk": r"failed with CheckpointError: Saving the checkpoint .* failed",
 }
 SILENT = {"sigstop", "gil"}
+#: under torchrun (and ``minifabric run``, torchrun's agent in its process) a rank killed by a signal
+#: is named by a survivor, with the signal read from the dead rank's wait status before the agent reaps it
+KILLED_BY = {"sigkill": "SIGKILL", "sigsegv": "SIGSEGV", "sigabrt": "SIGABRT"}
 
 CASES = [
     *[("minifabric-run", "ddp", 2, fault) for fault in CAUSES],
     *[("minifabric-run", "fsdp", 2, fault) for fault in ("sigkill", "sigsegv", "gil", "thread", "disk")],
-    *[("torchrun", "ddp", 2, fault) for fault in ("sigkill", "sigstop", "sigabrt", "oom")],
+    *[("torchrun", "ddp", 2, fault) for fault in ("sigkill", "sigstop", "sigsegv", "sigabrt", "oom")],
+    ("torchrun", "fsdp", 2, "sigkill"),
     *[("launch", "fsdp", 2, fault) for fault in ("sigkill", "sigterm", "sigint")],
     ("minifabric-run", "fsdp", 4, "sigstop"),
 ]
@@ -110,6 +115,8 @@ def test_a_fault_on_one_rank_ends_every_rank_and_names_it(tmp_path, launcher, st
     assert gone - fault_at < limit, context
     first = _first_report(run.output)
     assert re.search(CAUSES[fault], first), context
+    if launcher in ("torchrun", "minifabric-run") and fault in KILLED_BY:
+        assert f"was killed by {KILLED_BY[fault]}" in first, context
     if fault == "disk":  # every rank fails the save together; the message names the rank it came from
         assert f"rank {rank}: " in first and first.startswith(f"[minifabric] {HOST}: "), context
     else:
