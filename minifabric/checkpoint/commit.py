@@ -10,12 +10,17 @@ A sharded checkpoint at ``path`` is a folder::
 A save writes into a fresh ``.partial-*`` folder inside ``path``. Once every rank is done, rank 0
 writes the side record and the commit record (``COMMIT.json``: every file and its size) into it,
 fsyncs, renames it to its version name, then writes ``.LATEST.tmp``, fsyncs it and renames it onto
-``LATEST``. Older versions and leftovers are removed only after that, on a background thread (freeing
-a large file's blocks takes a quarter of a write's time), which the next save waits for before it
-creates its staging folder. Every step is a single rename
-within one folder, which POSIX makes atomic on every file system (NFS, Lustre and GPFS included),
-and at every instant ``LATEST`` names a whole version: a process killed at any point leaves ``path``
-loading as exactly the previous or exactly the new checkpoint. docs/checkpoints.md lists the points.
+``LATEST``. Every step is a single rename within one folder, which POSIX makes atomic on every file
+system (NFS, Lustre and GPFS included), and at every instant ``LATEST`` names a whole version: a
+process killed at any point leaves ``path`` loading as exactly the previous or exactly the new
+checkpoint. docs/checkpoints.md lists the points.
+
+Only after the commit are older versions and leftovers removed: they are renamed into one folder
+beside ``path`` (``.NAME.removing-*``), so that ``path`` holds exactly ``LATEST`` and the new
+version when the save returns (it can be copied or archived at once), and that folder is deleted on
+a background thread (freeing a large file's blocks takes a quarter of a write's time), which the
+next save waits for before it creates its staging folder. A process killed before the deletion
+ended leaves that folder for the next commit to remove; nothing reads it.
 
 Where ``path`` is a one-file checkpoint, the new folder is built whole next to it, the file is
 renamed aside, the folder renamed to ``path`` and the file removed; ``load`` finds the file aside if
@@ -46,6 +51,7 @@ POINTER = "LATEST"
 RECORD = "COMMIT.json"
 FORMAT_NAME = "minifabric-sharded"
 PARTIAL = ".partial-"
+REMOVING = ".removing-"  # beside a checkpoint folder: what its last commit replaced, being deleted
 FAULT_ENV = "MINIFABRIC_CHECKPOINT_FAULT"
 FAULT_POINTS = (
     "before_shard",
@@ -175,7 +181,7 @@ def commit(staging: Staging, world_size: int, rank: int = 0) -> None:
     if staging.replaces_file:
         remove_stale(staging.path, keep=version.name)  # the file moved aside lies next to path: gone now
     else:
-        _clean_up_later(_stale(staging.path, keep=version.name))
+        _clean_up_later(staging.path, keep=version.name)
     fault("after_cleanup", rank)
 
 
@@ -194,7 +200,7 @@ def _stale(path: Path, keep: str | None) -> list[Path]:
     beside = [
         s
         for s in path.parent.glob(f".{path.name}*")
-        if s.name.startswith((_aside_prefix(path), f".{path.name}{PARTIAL}"))
+        if s.name.startswith((_aside_prefix(path), f".{path.name}{PARTIAL}", f".{path.name}{REMOVING}"))
     ]
     return inside + beside
 
@@ -216,29 +222,71 @@ def remove_stale(path: Path, keep: str | None = None) -> None:
     _remove(_stale(path, keep))
 
 
+def _set_aside(path: Path, entries: list[Path]) -> list[Path]:
+    """Move the ``entries`` inside ``path`` into a new ``.NAME.removing-*`` folder beside it; return what to delete.
+
+    Renames only (no data is touched), so ``path`` holds just ``LATEST`` and the committed version
+    at once. An entry that cannot be moved (another file system, no permission) is deleted where it
+    is, now, as far as it can be.
+    """
+    inside = [e for e in entries if e.parent == path]
+    beside = [e for e in entries if e.parent != path]
+    if not inside:
+        return beside
+    trash = path.parent / f".{path.name}{REMOVING}{uuid.uuid4().hex[:8]}"
+    try:
+        trash.mkdir()
+    except OSError:
+        _remove(inside)
+        return beside
+    for entry in inside:
+        try:
+            os.rename(entry, trash / entry.name)
+        except OSError:
+            _remove([entry])
+    return [trash, *beside]
+
+
 _cleanup: threading.Thread | None = None
+_cleanup_lock = threading.Lock()  # a background save's commit and another thread's save may both get here
 
 
-def _clean_up_later(entries: list[Path]) -> None:
-    """Delete ``entries`` on a background thread (rank 0, after the commit); ``wait_for_cleanup`` joins it.
+def _clean_up_later(path: Path, keep: str) -> None:
+    """Remove what the commit of version ``keep`` replaced at ``path``: set aside now, deleted on a thread.
 
-    The list is taken now, so a save started later never loses its staging folder to it. The thread
-    is not a daemon: the interpreter finishes the deletion before it exits; a process killed first
-    leaves the entries for the next commit to remove (``load`` never reads them).
+    Rank 0, after the commit. The entries are listed and set aside now, after the previous deletion
+    ended, so a save started later never loses its staging folder to it. The thread is not a daemon:
+    the interpreter finishes the deletion before it exits; a process killed first leaves the
+    ``.NAME.removing-*`` folder for the next commit to remove (``load`` never reads it). Where no
+    thread can start (a background save committing while Python 3.12 shuts down) it deletes here:
+    the checkpoint is committed, and nothing after the commit may fail the save.
     """
     global _cleanup
-    wait_for_cleanup()
-    if entries:
-        _cleanup = threading.Thread(target=_remove, args=(entries,), name="minifabric-checkpoint-cleanup")
-        _cleanup.start()
+    with _cleanup_lock:
+        _join_cleanup()
+        doomed = _set_aside(path, _stale(path, keep))
+        if not doomed:
+            return
+        thread = threading.Thread(target=_remove, args=(doomed,), name="minifabric-checkpoint-cleanup")
+        try:
+            thread.start()
+        except RuntimeError:  # no new thread now (Python 3.12 at interpreter shutdown): delete here
+            _remove(doomed)
+            return
+        _cleanup = thread
 
 
-def wait_for_cleanup() -> None:
-    """Wait until the previous commit's older versions are deleted (a save calls it before it writes)."""
+def _join_cleanup() -> None:
     global _cleanup
     if _cleanup is not None:
         _cleanup.join()
         _cleanup = None
+
+
+def wait_for_cleanup() -> None:
+    """Wait until the previous commit's older versions are deleted (a save calls it before it writes)."""
+    with _cleanup_lock:
+        _join_cleanup()
 
 
 def _interrupted_hint(path: Path) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pickle
 import random
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -338,15 +339,16 @@ def test_the_replaced_version_is_deleted_in_the_background_and_the_next_save_wai
     monkeypatch.setattr(commits, "make_staging", staging)
     acc.save(path, {"model": model, "step": 2})  # returns while the old version is still being deleted
     second = (path / "LATEST").read_text()
-    assert events == ["staging"] and (path / first).is_dir()
+    (trash,) = tmp_path.glob(".ckpt.removing-*")  # set aside beside path, deleted from there
+    assert events == ["staging"] and (trash / first).is_dir()
     state = {"model": Small(), "step": 0}
     acc.load(path, state)  # the deletion in progress never touches what LATEST names
     assert state["step"] == 2
     threading.Timer(0.2, release.set).start()
     acc.save(path, {"model": model, "step": 3})  # waits for the deletion before it stages
-    assert events[:3] == ["staging", f"removed {first}", "staging"]
+    assert events[:3] == ["staging", f"removed {trash.name}", "staging"]
     assert _only_the_latest_version(path)
-    assert not (path / second).exists()
+    assert not (path / second).exists() and [p.name for p in tmp_path.iterdir()] == ["ckpt"]
 
 
 def test_a_failed_deletion_of_the_replaced_version_keeps_the_save_and_is_retried(
@@ -365,10 +367,104 @@ def test_a_failed_deletion_of_the_replaced_version_keeps_the_save_and_is_retried
     monkeypatch.setattr(shutil, "rmtree", refuse)
     acc.save(path, {"model": model, "step": 2})  # nothing raised: the checkpoint is committed
     commits.wait_for_cleanup()
-    assert (path / first).is_dir()
+    (trash,) = tmp_path.glob(".ckpt.removing-*")
+    assert (trash / first).is_dir()
     monkeypatch.setattr(shutil, "rmtree", rmtree)
     acc.save(path, {"model": model, "step": 3})
     assert _only_the_latest_version(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
     state = {"model": Small(), "step": 0}
     acc.load(path, state)
     assert state["step"] == 3
+
+
+def _hold_deletions(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Make the background deletion of replaced versions wait until the returned event is set."""
+    from minifabric.checkpoint import commit as commits
+
+    release, remove = threading.Event(), commits._remove
+
+    def held(entries: list[Path]) -> None:
+        release.wait(30)
+        remove(entries)
+
+    monkeypatch.setattr(commits, "_remove", held)
+    return release
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_the_checkpoint_folder_holds_only_the_new_version_once_the_save_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, asynchronous: bool
+) -> None:
+    """The replaced version is deleted in the background, yet not from inside ``path``: the folder can be
+    copied (archived, uploaded) right after ``save`` returns or ``handle.wait()``, while the deletion runs."""
+    import shutil
+
+    from minifabric.checkpoint import commit as commits
+
+    acc, model, path, _ = _saved_once(tmp_path)
+    release = _hold_deletions(monkeypatch)
+    try:
+        handle = acc.save(path, {"model": model, "step": 2}, asynchronous=asynchronous)
+        if handle is not None:
+            handle.wait()
+        assert sorted(p.name for p in path.iterdir()) == sorted(["LATEST", (path / "LATEST").read_text()])
+        shutil.copytree(path, tmp_path / "copy")
+    finally:
+        release.set()
+        commits.wait_for_cleanup()
+    state = {"model": Small(), "step": 0}
+    acc.load(tmp_path / "copy", state)
+    assert state["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "copy"]
+
+
+@pytest.mark.timeout(60)
+def test_a_commit_that_cannot_start_a_thread_deletes_the_replaced_version_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python 3.12 refuses new threads while the interpreter shuts down, when a background save that a
+    script left running commits: the save still succeeds (it is committed) and cleans up."""
+    from types import SimpleNamespace
+
+    from minifabric.checkpoint import commit as commits
+
+    class NoNewThreads(threading.Thread):
+        def start(self) -> None:
+            raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    acc, model, path, _ = _saved_once(tmp_path)
+    monkeypatch.setattr(commits, "threading", SimpleNamespace(Thread=NoNewThreads))
+    acc.save(path, {"model": model, "step": 2})  # committed: nothing may fail the save after that
+    assert _only_the_latest_version(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    state = {"model": Small(), "step": 0}
+    acc.load(path, state)
+    assert state["step"] == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_replaced_version_left_by_a_killed_deletion_is_removed_by_the_next_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from minifabric import latest_checkpoint
+    from minifabric.checkpoint import commit as commits
+
+    acc = _acc("sharded")
+    model, _ = _trained(acc)
+    path = tmp_path / "ckpts" / "step-1"
+    acc.save(path, {"model": model, "step": 1})
+    with monkeypatch.context() as patch:
+        patch.setattr(commits, "_remove", lambda entries: None)  # killed before the thread deleted anything
+        acc.save(path, {"model": model, "step": 2})
+        commits.wait_for_cleanup()
+    (left,) = [p.name for p in path.parent.iterdir() if p != path]
+    assert left.startswith(".step-1.removing-")
+    assert latest_checkpoint(path.parent) == path  # never taken for a checkpoint
+    state = {"model": Small(), "step": 0}
+    acc.load(path, state)
+    assert state["step"] == 2
+    acc.save(path, {"model": model, "step": 3})
+    commits.wait_for_cleanup()
+    assert [p.name for p in path.parent.iterdir()] == ["step-1"]
