@@ -197,12 +197,18 @@ def _stale(path: Path, keep: str | None) -> list[Path]:
         for e in (path.iterdir() if path.is_dir() else ())
         if e.name not in (POINTER, keep) and _owned(e.name)
     ]
-    beside = [
-        s
-        for s in path.parent.glob(f".{path.name}*")
-        if s.name.startswith((_aside_prefix(path), f".{path.name}{PARTIAL}", f".{path.name}{REMOVING}"))
-    ]
+    beside = _beside(path, _aside_prefix(path), f".{path.name}{PARTIAL}", f".{path.name}{REMOVING}")
     return inside + beside
+
+
+def _beside(path: Path, *prefixes: str) -> list[Path]:
+    """The entries next to ``path`` whose names start with one of ``prefixes``.
+
+    Compared as text, not as a glob pattern: a checkpoint's name may hold ``[``, ``*`` or ``?``
+    (``run[lr=0.1].pt``).
+    """
+    parent = path.parent
+    return sorted(p for p in parent.iterdir() if p.name.startswith(prefixes)) if parent.is_dir() else []
 
 
 def _remove(entries: list[Path]) -> None:
@@ -322,7 +328,7 @@ def locate(path: Path) -> Path:
         raise CheckpointError(f"{str(path)!r} is not a minifabric checkpoint (no {POINTER} in that folder).")
     if path.exists():
         return path
-    aside = sorted(path.parent.glob(f"{_aside_prefix(path)}*"))
+    aside = _beside(path, _aside_prefix(path))
     if aside:  # a crash came while a folder replaced this one-file checkpoint
         return aside[0]
     raise CheckpointError(f"No checkpoint at {str(path)!r}: the path does not exist.")

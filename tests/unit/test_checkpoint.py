@@ -171,24 +171,27 @@ def test_path_errors_come_before_anything_is_written(tmp_path: Path) -> None:
     assert (tmp_path / "file").read_text() == "x"
 
 
-def test_a_sharded_save_replaces_a_one_file_checkpoint_and_survives_a_crash_between(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tag", ["", "[lr=0.1]"])  # glob characters in a name are plain text
+def test_a_sharded_save_replaces_a_one_file_checkpoint_and_survives_a_crash_between(
+    tmp_path: Path, tag: str
+) -> None:
     acc = _acc("full")
     model, _ = _trained(acc)
-    path = tmp_path / "ckpt.pt"
+    path = tmp_path / f"ckpt{tag}.pt"
     acc.save(path, {"model": model, "step": 1})
     acc.strategy.state_dict_type = "sharded"
     acc.save(path, {"model": model, "step": 2})
-    assert path.is_dir() and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
+    assert path.is_dir() and sorted(p.name for p in tmp_path.iterdir()) == [f"ckpt{tag}.pt"]
     state = {"model": Small(), "step": 0}
     acc.load(path, state)
     assert state["step"] == 2 and torch.equal(state["model"].head.weight, model.head.weight)
     # a crash after the file was moved aside, before the folder took its place: the file still loads
-    aside = tmp_path / ".other.pt.previous-0123abcd"
+    aside = tmp_path / f".other{tag}.pt.previous-0123abcd"
     acc.strategy.state_dict_type = "full"
     acc.save(aside, {"model": model, "step": 3})
-    acc.load(tmp_path / "other.pt", state)
+    acc.load(tmp_path / f"other{tag}.pt", state)
     assert state["step"] == 3
-    acc.save(tmp_path / "other.pt", {"model": model, "step": 4})  # the next save clears it
+    acc.save(tmp_path / f"other{tag}.pt", {"model": model, "step": 4})  # the next save clears it
     assert not aside.exists()
 
 
