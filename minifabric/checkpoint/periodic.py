@@ -14,7 +14,7 @@ import re
 import shutil
 from pathlib import Path
 
-from minifabric.checkpoint.commit import POINTER, RECORD, locate
+from minifabric.checkpoint.commit import POINTER, RECORD, locate, remove_stale
 from minifabric.checkpoint.errors import CheckpointError
 
 #: Suffixes of one-file checkpoints that :func:`latest_checkpoint` and retention consider.
@@ -76,7 +76,8 @@ def retain(path: Path, keep_last: int) -> list[Path]:
     """Delete all but the ``keep_last`` newest checkpoints of ``path``'s series (rank 0, after its commit).
 
     Returns what was deleted. ``path`` itself is never deleted. A sharded checkpoint loses its
-    ``LATEST`` pointer first, so one deleted half-way is never loaded.
+    ``LATEST`` pointer first, so one deleted half-way is never loaded. What a crash left beside a
+    deleted checkpoint (``.NAME.removing-*``, ``.NAME.partial-*``) goes with it.
     """
     series = _series(path.name)
     found = [
@@ -91,4 +92,5 @@ def retain(path: Path, keep_last: int) -> list[Path]:
             shutil.rmtree(old, ignore_errors=True)
         else:
             old.unlink(missing_ok=True)
+        remove_stale(old)
     return doomed

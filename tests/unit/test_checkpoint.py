@@ -471,3 +471,22 @@ def test_a_replaced_version_left_by_a_killed_deletion_is_removed_by_the_next_sav
     acc.save(path, {"model": model, "step": 3})
     commits.wait_for_cleanup()
     assert [p.name for p in path.parent.iterdir()] == ["step-1"]
+
+
+@pytest.mark.timeout(60)
+def test_keep_last_also_removes_what_a_killed_deletion_left_beside_an_older_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from minifabric.checkpoint import commit as commits
+
+    acc = _acc("sharded")
+    model, _ = _trained(acc)
+    root = tmp_path / "ckpts"
+    acc.save(root / "step-1", {"model": model, "step": 1})
+    with monkeypatch.context() as patch:
+        patch.setattr(commits, "_remove", lambda entries: None)  # killed before the thread deleted anything
+        acc.save(root / "step-1", {"model": model, "step": 1})
+    assert len(list(root.glob(".step-1.removing-*"))) == 1
+    acc.save(root / "step-2", {"model": model, "step": 2}, keep_last=1)
+    commits.wait_for_cleanup()
+    assert [p.name for p in root.iterdir()] == ["step-2"]
