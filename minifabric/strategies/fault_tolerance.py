@@ -45,6 +45,11 @@ class FaultTolerance:
         timeout: how long a collective between groups, the copy of the state to a group that
             rejoins, or the agreement to commit may take (``timedelta`` or seconds).
         quorum_timeout: how long a step waits for the lighthouse to decide which groups take part.
+        overlap_quorum: ask the lighthouse while the forward runs (torchft's asynchronous quorum)
+            instead of before it, hiding its round trip. The cost: a group that rejoins copies a
+            live group's state at its first step but its gradient of that step is not used (the
+            step averages only the live groups); it contributes from its next step on. Without a
+            failure the arithmetic is the same.
 
     Example:
         >>> from minifabric import Accelerator, FaultTolerance, FSDPStrategy
@@ -58,8 +63,14 @@ class FaultTolerance:
     min_replica_groups: int = 1
     timeout: timedelta | float = timedelta(seconds=60)
     quorum_timeout: timedelta | float = timedelta(seconds=60)
+    overlap_quorum: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.overlap_quorum, bool):
+            raise ValueError(
+                f"overlap_quorum={self.overlap_quorum!r} must be True or False, e.g."
+                " `FaultTolerance(..., overlap_quorum=True)`."
+            )
         _check_int("num_replica_groups", self.num_replica_groups, 1)
         _check_int("replica_group_id", self.replica_group_id, 0)
         if self.replica_group_id >= self.num_replica_groups:

@@ -17,11 +17,16 @@ The strategy drives one step as torchft expects, without changing the user's loo
    the step went through everywhere (no collective failed, enough groups took part); only then does
    the optimizer step. A step that failed is dropped by every rank of the group.
 
-The quorum is synchronous (torchft's ``use_async_quorum=False``): a group that heals does so before
-its forward and then contributes a real gradient to that same step, so training equals a run without
-the failure from that step on. torchft's asynchronous quorum overlaps the lighthouse round trip with
-the forward but makes a healing group contribute a zero gradient for one step (and at step 0 halves
-some shards' gradients), which would break that equality.
+By default the quorum is synchronous (torchft's ``use_async_quorum=False``): a group that heals does
+so before its forward and then contributes a real gradient to that same step, so training equals a
+run without the failure from that step on. With ``FaultTolerance(overlap_quorum=True)`` the quorum
+is torchft's asynchronous one: asked for in :meth:`ReplicaGroup.begin_step` and waited for by the
+first cross-group all-reduce in backward, so the lighthouse round trip runs under the forward. A
+group that is behind then heals before the commit and contributes a zero gradient to that step
+(torchft counts only the groups at the latest step). The first step of a process is the
+exception: its quorum is waited for and a heal applied before the forward, as in the synchronous
+mode, because at step 0 torchft would count the group that copies the initial weights as taking
+part and halve the gradients; at a rejoin the group still counts as not taking part.
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ class ReplicaGroup:
         self._quorum_made = False
         self._decision: bool | None = None  # the last step's commit, shared by its optimizers
         self._pending: list[Any] = []  # this backward's cross-group all-reduces still running
+        self._module_views: list[dict[str, torch.Tensor]] = []  # the modules' tensors, for a heal
         self._manager = _make_manager(self, store_address)
 
     # ---- what this group holds and heals -----------------------------------------------------
@@ -128,7 +134,16 @@ class ReplicaGroup:
         if self._in_step:
             return
         self._decision = None
-        self._manager.start_quorum()
+        # what a live group sends to one that heals: the sharded tensors, taken here while FSDP has
+        # them in the module (during the forward it swaps in the unsharded ones); read in place
+        self._module_views = [module_state(m) for m in self._modules]
+        manager = self._manager
+        manager.start_quorum()
+        if self.settings.overlap_quorum and manager.current_step() == 0:
+            manager.wait_quorum()  # the first step: heal before the forward (see the module docstring)
+            if manager._healing:  # what torchft's synchronous quorum does at this point
+                manager._apply_pending_state_dict()
+                manager._healing = False
         self._in_step = self._quorum_made = True
 
     def commit(self) -> bool:
@@ -183,6 +198,15 @@ class ReplicaGroup:
         return int(self._manager.current_step())
 
     @property
+    def contributed(self) -> bool:
+        """Whether this group's gradient went into the current (or last) step.
+
+        False only with ``overlap_quorum=True`` at the step where this group caught up with the live
+        groups (it copied their state; its own gradient of that step was not used).
+        """
+        return bool(self._manager.is_participating())
+
+    @property
     def num_participants(self) -> int:
         """How many groups took part in the current (or last) step."""
         return int(self._manager.num_participants())
@@ -212,10 +236,12 @@ class ReplicaGroup:
     # ---- healing (called by torchft) -----------------------------------------------------------
 
     def _state(self) -> dict[str, Any]:
-        # Called on torchft's quorum thread while the main thread waits for the quorum (synchronous
-        # quorum): nothing runs forward or steps meanwhile, so the tensors are read in place.
+        # Called on torchft's quorum thread: while the main thread waits for the quorum, or runs the
+        # forward (overlap_quorum). Parameters and optimizer state change only in optimizer.step(),
+        # after the quorum and after the commit has stopped serving this state, so they are read in
+        # place; the module's tensors come from the step's start (see `begin_step`).
         return {
-            "modules": [module_state(m) for m in self._modules],
+            "modules": self._module_views,
             "optimizers": [optimizer_state(o) for o in self._optimizers],
             "objects": {name: obj.state_dict() for name, obj in self._objects.items()},
         }
@@ -273,7 +299,7 @@ def _make_manager(group: ReplicaGroup, store_address: tuple[str, int]) -> Any:
             load_state_dict=group._load,
             state_dict=group._state,
             min_replica_size=settings.min_replica_groups,
-            use_async_quorum=False,
+            use_async_quorum=settings.overlap_quorum,
             timeout=settings.timeout,
             quorum_timeout=settings.quorum_timeout,
             connect_timeout=settings.timeout,

@@ -137,7 +137,7 @@ def _batches(out: Path) -> dict[int, dict[int, list[list[int]]]]:
     for group in range(2):
         for rank in range(2):
             for record in _records(out, group, rank):
-                if record["committed"]:
+                if record["committed"] and record["contributed"]:
                     committed[(record["step"], group, rank)] = record["indices"]
                     participants[record["step"]] = record["participants"]
 
@@ -194,7 +194,8 @@ def _replay(out: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(600)
-def test_killed_group_rejoins_heals_from_a_live_group_and_ends_equal(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["quorum-before-forward", "overlap-quorum"])
+def test_killed_group_rejoins_heals_from_a_live_group_and_ends_equal(tmp_path: Path, overlap: bool) -> None:
     os.environ["RUST_LOG"] = "error"  # read when torchft is first imported (restored after the test)
     from torchft.coordination import LighthouseServer
 
@@ -202,9 +203,10 @@ def test_killed_group_rejoins_heals_from_a_live_group_and_ends_equal(tmp_path: P
         bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=3000
     )
     job = Job(tmp_path, lighthouse.address())
+    mode = ["--overlap-quorum"] if overlap else []
     try:
-        group0 = job.start(0, "--hold-at", str(HOLD_AT))
-        group1 = job.start(1)
+        group0 = job.start(0, "--hold-at", str(HOLD_AT), *mode)
+        group1 = job.start(1, *mode)
         for tag in ("g0r0", "g0r1", "g1r0", "g1r1"):
             job.wait_for(rf"{tag} ready", timeout=240)
         (tmp_path / "go").touch()
@@ -214,7 +216,7 @@ def test_killed_group_rejoins_heals_from_a_live_group_and_ends_equal(tmp_path: P
         job.wait_for(rf"g0r0 holding at step {HOLD_AT}")  # the live group kept committing alone
         survived = time.monotonic() - killed_at
         restart = job.mark()
-        group1 = job.start(1)
+        group1 = job.start(1, *mode)
         job.wait_for(r"g1r0 ready", timeout=240, since=restart)
         job.wait_for(r"g1r1 ready", timeout=240, since=restart)
         (tmp_path / "release").touch()
@@ -234,13 +236,17 @@ def test_killed_group_rejoins_heals_from_a_live_group_and_ends_equal(tmp_path: P
     alone = [r for r in records[(0, 0)] if r["committed"] and r["participants"] == 1]
     assert alone, output
     assert all(h == 0 for r in records[(0, 0)] + records[(0, 1)] for h in r["healed_at"]), output
-    # the restarted group healed from group 0 at the step group 0 was at, and committed from there
+    # the restarted group healed from group 0 at the step group 0 was at, and committed from there;
+    # its gradient counts in that step (quorum before the forward) or from the next one (overlap)
     for rank in range(2):
         restarted = [r for r in records[(1, rank)] if any(h > KILL_AT for h in r["healed_at"])]
         healed_at = restarted[0]["healed_at"]
         assert len(healed_at) == 1 and KILL_AT < healed_at[0] < STEPS, output
-        assert restarted[0]["step"] == healed_at[0] and restarted[0]["participants"] == 2, output
-        assert restarted[0]["committed"] and restarted[-1]["step"] == STEPS - 1, output
+        assert restarted[0]["step"] == healed_at[0] and restarted[0]["committed"], output
+        assert restarted[0]["contributed"] is not overlap, output
+        assert restarted[0]["participants"] == (1 if overlap else 2), output
+        assert restarted[1]["contributed"] and restarted[1]["participants"] == 2, output
+        assert restarted[-1]["step"] == STEPS - 1, output
     # both groups hold the same weights (torchft's own check is assert_close; they are bitwise equal)
     for rank in range(2):
         a, b = torch.load(tmp_path / f"g0r{rank}.pt"), torch.load(tmp_path / f"g1r{rank}.pt")

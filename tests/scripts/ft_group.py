@@ -64,10 +64,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--hold-at", type=int, default=None)
     parser.add_argument("--pace", type=float, default=0.05)
+    parser.add_argument("--overlap-quorum", action="store_true")
     args = parser.parse_args()
 
     ft = FaultTolerance(
-        replica_group_id=args.group, num_replica_groups=2, lighthouse=args.lighthouse, timeout=30
+        replica_group_id=args.group,
+        num_replica_groups=2,
+        lighthouse=args.lighthouse,
+        timeout=30,
+        overlap_quorum=args.overlap_quorum,
     )
     acc = Accelerator(accelerator="cpu", strategy=FSDPStrategy(fault_tolerance=ft), devices=2)
     acc.launch()
@@ -103,6 +108,7 @@ def main() -> None:
                 "step": step,
                 "committed": group.step == step + 1,
                 "participants": group.num_participants,
+                "contributed": group.contributed,
                 "indices": index.tolist(),
                 "healed_at": group.healed_at,
             }

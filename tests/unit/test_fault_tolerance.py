@@ -26,6 +26,10 @@ from tests.helpers import REPO
         ({"replica_group_id": 0, "num_replica_groups": 2, "lighthouse": "host:29510"}, "is not an address"),
         ({"replica_group_id": 0, "num_replica_groups": 2, "timeout": 0}, "timeout=0 must be a positive"),
         ({"replica_group_id": 0, "num_replica_groups": 2, "quorum_timeout": "1"}, "quorum_timeout='1'"),
+        (
+            {"replica_group_id": 0, "num_replica_groups": 2, "overlap_quorum": 1},
+            "overlap_quorum=1 must be True or False",
+        ),
     ],
 )
 def test_bad_settings_raise_naming_the_value(kwargs, message):
