@@ -365,6 +365,8 @@ class Accelerator:
             )
             for loader in dataloaders
         ]
+        for loader in out:
+            self._strategy.setup_dataloader(loader)
         return out[0] if len(out) == 1 else tuple(out)
 
     # ---- the step ----------------------------------------------------------------------------

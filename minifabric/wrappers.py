@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from types import MethodType
 from typing import TYPE_CHECKING, Any
 
@@ -315,6 +315,7 @@ class _WrappedDataLoader:
         self._consumed_before = 0  # positions of the epoch consumed by all ranks before this pass
         self._start = 0  # positions consumed before the next iter() (set by load_state_dict)
         self._in_epoch = False
+        self._follow = False  # loaded during a pass: the pass goes on from the loaded position
         self._generator_state: torch.Tensor | None = None
         self._iterated = False  # an iterator was created (persistent workers keep theirs)
 
@@ -332,6 +333,12 @@ class _WrappedDataLoader:
         return len(self._dataloader)
 
     def __iter__(self) -> Iterator[Any]:
+        while (yield from self._pass()):  # loaded during the pass: go on from the loaded position
+            pass
+
+    def _pass(self) -> Generator[Any, None, bool]:
+        """One pass over the epoch from the loaded position; True if it stopped to follow a load."""
+        self._follow = False
         sampler = getattr(self._dataloader, "sampler", None)
         if sampler is not None and hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self._epoch)
@@ -366,8 +373,11 @@ class _WrappedDataLoader:
         for batch in self._dataloader:
             self._samples_seen += batch_size
             yield move_data_to_device(batch, self._device) if self._device is not None else batch
+            if self._follow:
+                return True
         self._epoch += 1
         self._samples_seen, self._in_epoch, self._consumed_before = 0, False, 0
+        return False
 
     def state_dict(self) -> dict[str, Any]:
         """Where iteration resumes: the epoch and this rank's samples consumed in it.
@@ -394,7 +404,8 @@ class _WrappedDataLoader:
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue from ``state_dict`` at the next ``iter()``, at the first sample not seen yet.
+        """Continue from ``state_dict`` at the first sample not seen yet: at the next ``iter()``, or,
+        when loaded while a pass runs, at that pass's next batch.
 
         The position is global (samples consumed by all ranks together), so a loader saved on N
         processes resumes on M: the rest of the epoch is dealt over the M ranks, and over the whole
@@ -418,6 +429,7 @@ class _WrappedDataLoader:
             )
         self._epoch = int(state_dict["epoch"])
         self._start = consumed
+        self._follow = self._in_epoch
         generator = getattr(self._dataloader, "generator", None)
         if generator is not None and "generator" in state_dict:
             generator.set_state(state_dict["generator"])

@@ -313,6 +313,11 @@ class FSDPStrategy(Strategy):
             self.replica_group.watch_optimizer(optimizer)
         return optimizer
 
+    def setup_dataloader(self, dataloader: Any) -> None:
+        """With replica groups, a group that heals also takes the live group's position in the data."""
+        if self.replica_group is not None:
+            self.replica_group.watch_dataloader(dataloader)
+
     def forward_context(self) -> ContextManager:
         if self.replica_group is not None:
             self.replica_group.begin_step()  # before FSDP gathers anything: a heal writes the shards

@@ -107,11 +107,28 @@ class ReplicaGroup:
         """Heal ``optimizer``'s state (moments, step counts, learning rates) from a live group."""
         self._optimizers.append(optimizer)
 
+    def watch_dataloader(self, dataloader: Any) -> None:
+        """Heal ``dataloader``'s position too (every loader ``acc.setup_dataloaders`` returns).
+
+        A group that rejoins then reads on from where the live groups are in the epoch (its part of
+        it): the loop's running pass jumps there at its next batch. A loader whose position cannot be
+        saved (over an ``IterableDataset``) is left out: such a group starts its data where its
+        script starts it.
+        """
+        try:
+            dataloader.state_dict()
+        except (TypeError, ValueError, RuntimeError):
+            return
+        self.register(
+            f"minifabric.dataloader{sum(k.startswith('minifabric.dataloader') for k in self._objects)}",
+            dataloader,
+        )
+
     def register(self, name: str, obj: Any) -> None:
         """Also heal ``obj`` (anything with ``state_dict()``/``load_state_dict()``, e.g. an LR scheduler).
 
-        Models and optimizers set up by the Accelerator are healed already; register what else
-        must equal the live groups' after a rejoin.
+        Models, optimizers and data loaders set up by the Accelerator are healed already; register
+        what else must equal the live groups' after a rejoin.
 
         Example:
             >>> acc.strategy.replica_group.register("scheduler", scheduler)  # doctest: +SKIP

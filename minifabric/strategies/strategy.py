@@ -273,6 +273,9 @@ class Strategy:
         """Return the optimizer to step (e.g. a sharded replacement)."""
         return optimizer
 
+    def setup_dataloader(self, dataloader: Any) -> None:
+        """Called with every loader ``setup_dataloaders`` returns (nothing to do here)."""
+
     def forward_context(self) -> ContextManager:
         """The context the wrapped module's forward runs in."""
         return self.precision.forward_context()

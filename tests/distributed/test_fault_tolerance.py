@@ -247,6 +247,11 @@ def test_killed_group_rejoins_heals_from_a_live_group_and_ends_equal(tmp_path: P
         assert restarted[0]["participants"] == (1 if overlap else 2), output
         assert restarted[1]["contributed"] and restarted[1]["participants"] == 2, output
         assert restarted[-1]["step"] == STEPS - 1, output
+        # and took group 0's position in the data with the rest of its state: from the next step on
+        # each rank reads the batch beside group 0's (global rank 2 + r next to rank r: sample i + 2)
+        live = {r["step"]: r["indices"] for r in records[(0, rank)] if r["committed"]}
+        for record in restarted[1:]:
+            assert record["indices"] == [i + 2 for i in live[record["step"]]], _story(tmp_path)
     # both groups hold the same weights (torchft's own check is assert_close; they are bitwise equal)
     for rank in range(2):
         a, b = torch.load(tmp_path / f"g0r{rank}.pt"), torch.load(tmp_path / f"g1r{rank}.pt")

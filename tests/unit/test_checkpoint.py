@@ -243,6 +243,22 @@ def test_dataloader_resumes_at_the_next_unseen_batch_and_maps_world_sizes() -> N
     assert sum(len(batch[0]) for batch in other) == 20 - 9
 
 
+def test_a_position_loaded_while_a_pass_runs_is_where_that_pass_goes_on() -> None:
+    acc = _acc()
+    ahead = acc.setup_dataloaders(DataLoader(TensorDataset(torch.arange(20)), batch_size=2, shuffle=True))
+    ahead_batches = iter(ahead)
+    [next(ahead_batches) for _ in range(4)]
+    state = ahead.state_dict()  # 8 samples consumed
+    rest = [batch[0].tolist() for batch in ahead_batches]
+    loader = acc.setup_dataloaders(DataLoader(TensorDataset(torch.arange(20)), batch_size=2, shuffle=True))
+    running = iter(loader)
+    next(running)
+    loader.load_state_dict(state)  # e.g. a replica group that heals from a live one
+    assert [batch[0].tolist() for batch in running] == rest  # the same pass, from the loaded position
+    assert loader.state_dict()["epoch"] == 1
+    assert len([batch for batch in loader]) == 10  # the next pass is a whole epoch again
+
+
 @pytest.mark.parametrize(("fmt", "suffix"), [("sharded", ""), ("full", ".pt"), ("full", "")])
 def test_keep_last_and_latest_checkpoint(tmp_path: Path, fmt: str, suffix: str) -> None:
     from argparse import Namespace
