@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from minifabric._torch.compiled import compile_in_place, split_compiled
 from minifabric._torch.distributed import (
+    activations_checkpointed,
     at_backward_end,
     checkpoint_activations,
     default_store,
@@ -59,6 +60,7 @@ from minifabric._torch.versions import MIN_TORCH_VERSION, check_torch_version
 __all__ = [
     "MIN_TORCH_VERSION",
     "TUNE_MALLOC_VAR",
+    "activations_checkpointed",
     "at_backward_end",
     "check_torch_version",
     "checkpoint_activations",

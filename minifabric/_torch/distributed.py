@@ -39,6 +39,17 @@ def checkpoint_activations(module: nn.Module) -> None:
     checkpoint(module)
 
 
+def activations_checkpointed(module: nn.Module) -> bool:
+    """Whether torch's composable ``checkpoint`` was applied to ``module`` (applying it twice is an error).
+
+    Read from torch's own registry of composable APIs on the module, which ``copy.deepcopy`` copies
+    along with the hooks.
+    """
+    from torch.distributed._composable.contract import _get_registry
+
+    return "checkpoint" in (_get_registry(module) or {})
+
+
 @contextmanager
 def fake_world(world_size: int) -> Iterator[None]:
     """A default process group of ``world_size`` fake ranks in this one process (no communication).

@@ -24,12 +24,11 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from minifabric._torch import checkpoint_activations
+from minifabric._torch import activations_checkpointed, checkpoint_activations
 from minifabric.parameters import TensorPlace, shared_tensors
 from minifabric.precision import Precision
 
 log = logging.getLogger(__name__)
-_CHECKPOINTED = "_minifabric_checkpointed"
 
 ShardingStr = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 #: ``None`` (find repeated blocks), a set of module classes, or ``(module, name) -> bool``.
@@ -192,11 +191,12 @@ def apply_activation_checkpointing(module: nn.Module, classes: Iterable[type[nn.
     targets = [
         sub
         for sub in module.modules()
-        if classes and isinstance(sub, classes) and not getattr(sub, _CHECKPOINTED, False)
+        if classes
+        and isinstance(sub, classes)
+        and not activations_checkpointed(sub)  # `wrap` may have done it
     ]
     for sub in targets:
         checkpoint_activations(sub)
-        setattr(sub, _CHECKPOINTED, True)  # `wrap` may have done it already; twice is an error
     return len(targets)
 
 
