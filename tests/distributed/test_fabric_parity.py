@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, command_env
+from tests.helpers import PYTHON, REPO, Session
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -28,24 +27,14 @@ def _csv(out: Path) -> list[dict]:
 
 def test_lightning_fabric_and_minifabric_give_the_same_numbers(tmp_path):
     outs = {name: tmp_path / name for name in ("lightning", "minifabric")}
-    procs = {
-        name: subprocess.Popen(
-            [PYTHON, str(SCRIPT), name, str(out)],
-            env=command_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        for name, out in outs.items()
-    }
+    runs = {name: Session([PYTHON, str(SCRIPT), name, str(out)]) for name, out in outs.items()}
     try:
-        logs = {name: proc.communicate(timeout=240)[0] for name, proc in procs.items()}
+        codes = {name: run.finish(timeout=240)[0] for name, run in runs.items()}
     finally:
-        for proc in procs.values():
-            proc.kill()
-    for name, proc in procs.items():
-        assert proc.returncode == 0, f"{name}:\n{logs[name][-3000:]}"
+        for run in runs.values():
+            run.kill()  # every rank of both sessions, whatever happened
+    for name, run in runs.items():
+        assert codes[name] == 0, f"{name}:\n{run.output[-3000:]}"
 
     lightning, mini = (json.loads((outs[n] / "result.json").read_text()) for n in ("lightning", "minifabric"))
     assert len(mini["losses"]) == 8

@@ -7,13 +7,12 @@ Under Fabric's CLI the ``Fabric()`` constructor joins the process group, so the 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, command_env, free_port
+from tests.helpers import REPO, Session, free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -25,19 +24,9 @@ def _run(library: str, out: Path) -> list[dict]:
     out.mkdir()
     command = str(Path(sys.executable).parent / COMMANDS[library])
     args = ["run", "--accelerator", "cpu", "--devices", "2", "--main-port", str(free_port())]
-    proc = subprocess.Popen(
-        [command, *args, str(SCRIPT), library, str(out)],
-        env=command_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        log = proc.communicate(timeout=200)[0]
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, f"{library}:\n{log[-3000:]}"
+    run = Session([command, *args, str(SCRIPT), library, str(out)])
+    code, _ = run.finish(timeout=200)  # kills the whole session (every rank) on a timeout
+    assert code == 0, f"{library}:\n{run.output[-3000:]}"
     return [json.loads((out / f"rank-{rank}.json").read_text()) for rank in range(2)]
 
 

@@ -10,11 +10,10 @@ order in which gradients are summed), and
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, command_env
+from tests.helpers import PYTHON, REPO, Session
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -23,19 +22,9 @@ SCRIPT = REPO / "tests" / "scripts" / "gan_script.py"
 
 def _run(tmp_path, library, strategy, precision):
     out = tmp_path / f"{library}-{strategy}-{precision}.json"
-    proc = subprocess.Popen(
-        [PYTHON, str(SCRIPT), library, strategy, precision, str(out)],
-        env=command_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        log = proc.communicate(timeout=240)[0]
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, f"{library} {strategy} {precision}:\n{log[-3000:]}"
+    run = Session([PYTHON, str(SCRIPT), library, strategy, precision, str(out)])
+    code, _ = run.finish(timeout=240)  # kills the whole session (every rank) on a timeout
+    assert code == 0, f"{library} {strategy} {precision}:\n{run.output[-3000:]}"
     return json.loads(out.read_text())
 
 

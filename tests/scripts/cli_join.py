@@ -24,3 +24,11 @@ value = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(value)
 result = {"initialized": dist.is_initialized(), "world": fabric.world_size, "sum": value.item()}
 Path(sys.argv[2], f"rank-{fabric.global_rank}.json").write_text(json.dumps(result))
+if sys.argv[1] == "lightning":
+    # Lightning's ranks exit with their gloo group alive, and torch then sometimes aborts at
+    # interpreter exit ("terminate called without an active exception"). Destroying it right after
+    # a collective can deadlock instead (gloo's worker thread needs the GIL to free the finished
+    # work). The reference leaves the group the way minifabric does: collect, barrier, destroy.
+    from minifabric.environment import destroy_process_group
+
+    destroy_process_group()

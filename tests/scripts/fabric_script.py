@@ -93,6 +93,14 @@ def main() -> None:
         }
         (OUT / "result.json").write_text(json.dumps(result))
     fabric.barrier()
+    if sys.argv[1] == "lightning":
+        # Lightning's ranks exit with their gloo group alive, and torch then sometimes aborts at
+        # interpreter exit ("terminate called without an active exception"). Destroying it right after
+        # a collective can deadlock instead (gloo's worker thread needs the GIL to free the finished
+        # work). The reference leaves the group the way minifabric does: collect, barrier, destroy.
+        from minifabric.environment import destroy_process_group
+
+        destroy_process_group()
 
 
 if __name__ == "__main__":

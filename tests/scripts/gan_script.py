@@ -100,6 +100,14 @@ def main():
     if fabric.is_global_zero:
         with open(OUT, "w") as f:
             json.dump(everyone.tolist(), f)
+    if sys.argv[1] == "lightning":
+        # Lightning's ranks exit with their gloo group alive, and torch then sometimes aborts at
+        # interpreter exit ("terminate called without an active exception"). Destroying it right after
+        # a collective can deadlock instead (gloo's worker thread needs the GIL to free the finished
+        # work). The reference leaves the group the way minifabric does: collect, barrier, destroy.
+        from minifabric.environment import destroy_process_group
+
+        destroy_process_group()
 
 
 if __name__ == "__main__":
