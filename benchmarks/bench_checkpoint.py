@@ -11,7 +11,11 @@ On 2 ranks (FSDP, CPU/gloo) with a model of ~1 GB of fp32 parameters, one run me
    page cache (``posix_fadvise(DONTNEED)``) next to a cold read of the disk's own test file. A
    save that replaces the committed checkpoint is measured back to back, and with a training step
    between the saves as a loop runs them (the previous version is deleted on a background thread
-   after the commit, overlapping the step; the next save waits for it);
+   after the commit, overlapping the step; the next save waits for it). Because this kind of disk
+   varies several-fold between identical fsynced writes, the steady state is also measured in
+   pairs: each replacing save right after the disk writes a new file of the same size under the
+   same conditions, and the median of the pairs' ratios is reported (likewise the load from the
+   disk, each next to a cold read of a file of the same size);
 3. the same for a checkpoint of the model and its AdamW state: the two moments per parameter are
    read into memory the process allocates for them, once right after the optimizer was created
    and once again;
@@ -22,7 +26,7 @@ On 2 ranks (FSDP, CPU/gloo) with a model of ~1 GB of fp32 parameters, one run me
    of a synchronous save of the same state (target <= 0.1). The step that overlaps the copy is
    timed too, next to an ordinary step.
 
-Run (about 3 minutes)::
+Run (about 4 minutes)::
 
     OMP_NUM_THREADS=1 python benchmarks/bench_checkpoint.py --dir /tmp/bench-ckpt --gb 1.0
 """
@@ -34,11 +38,14 @@ import os
 import shutil
 import time
 from pathlib import Path
+from statistics import median
 
 import torch
 from torch import nn
 
 from minifabric import Accelerator
+
+PAIRS = 5  # save/load measured next to the disk, as pairs
 
 
 def build(acc: Accelerator, gigabytes: float) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -66,9 +73,8 @@ def evict(*paths: Path) -> None:
                 os.close(fd)
 
 
-def disk_rate(acc: Accelerator, folder: Path, nbytes: int) -> tuple[float, float, float]:
-    """Aggregate GB/s of every rank writing (fsync) then reading ``nbytes`` at once: write, read, cold read."""
-    path = folder / f"disk-{acc.global_rank}.bin"
+def disk_write(acc: Accelerator, path: Path, nbytes: int) -> float:
+    """Seconds for every rank to write (and fsync) ``nbytes`` into a new file at once."""
     block = os.urandom(64 * 2**20)
     acc.barrier()
     start = time.perf_counter()
@@ -78,18 +84,27 @@ def disk_rate(acc: Accelerator, folder: Path, nbytes: int) -> tuple[float, float
         f.flush()
         os.fsync(f.fileno())
     acc.barrier()
-    write = time.perf_counter() - start
-    reads = []
-    for cold in (False, True):
-        if cold:
-            evict(path)
-        acc.barrier()
-        start = time.perf_counter()
-        with open(path, "rb") as f:
-            while f.read(64 * 2**20):
-                pass
-        acc.barrier()
-        reads.append(time.perf_counter() - start)
+    return time.perf_counter() - start
+
+
+def disk_read(acc: Accelerator, path: Path, cold: bool) -> float:
+    """Seconds for every rank to read its file at once; ``cold``: dropped from the page cache first."""
+    if cold:
+        evict(path)
+    acc.barrier()
+    start = time.perf_counter()
+    with open(path, "rb") as f:
+        while f.read(64 * 2**20):
+            pass
+    acc.barrier()
+    return time.perf_counter() - start
+
+
+def disk_rate(acc: Accelerator, folder: Path, nbytes: int) -> tuple[float, float, float]:
+    """Aggregate GB/s of every rank writing (fsync) then reading ``nbytes`` at once: write, read, cold read."""
+    path = folder / f"disk-{acc.global_rank}.bin"
+    write = disk_write(acc, path, nbytes)
+    reads = [disk_read(acc, path, cold) for cold in (False, True)]
     path.unlink()
     total = nbytes * acc.world_size / 1e9
     return total / write, total / reads[0], total / reads[1]
@@ -117,7 +132,7 @@ def main(acc: Accelerator, folder: str, gigabytes: float) -> dict:
     total_gb = nbytes * acc.world_size / 1e9
     # The disk's best of two rounds, so that a slow first round does not flatter the ratios.
     rounds = [disk_rate(acc, root, nbytes) for _ in range(2)]
-    disk_write, disk_read, disk_cold = (max(r[i] for r in rounds) for i in range(3))
+    write_gbps, read_gbps, disk_cold = (max(r[i] for r in rounds) for i in range(3))
 
     acc.save(root / "warmup", state)  # the first save creates the checkpoint group and its buffers
     shutil.rmtree(root / "warmup", ignore_errors=True) if acc.global_rank == 0 else None
@@ -129,6 +144,17 @@ def main(acc: Accelerator, folder: str, gigabytes: float) -> dict:
     for _ in range(2):
         step(acc, model, optimizer)
         save_steady.append(timed(acc, lambda: acc.save(root / "ckpt", state)))
+    # This disk's fsynced writes vary several-fold between identical calls, so the steady state is
+    # also measured in pairs, each save next to the disk writing a new file of the same size under
+    # the same conditions (a training step before each); the median of the pairs' ratios is reported.
+    paired_save = []
+    reference = root / f"paired-{acc.global_rank}.bin"
+    for _ in range(PAIRS):
+        step(acc, model, optimizer)
+        disk_s = disk_write(acc, reference, nbytes)
+        reference.unlink()  # as the save's replaced version is deleted
+        step(acc, model, optimizer)
+        paired_save.append(disk_s / timed(acc, lambda: acc.save(root / "ckpt", state)))
     load = timed(acc, lambda: acc.load(root / "ckpt", state))
     if acc.global_rank == 0:
         evict(root / "ckpt")
@@ -180,6 +206,16 @@ def main(acc: Accelerator, folder: str, gigabytes: float) -> dict:
     if acc.global_rank == 0:
         evict(root / "ckpt_adam")
     adam_load_cold = timed(acc, lambda: acc.load(root / "ckpt_adam", adam_state))
+    # In pairs too: the disk's cold read of a file of this rank's share, then the cold load.
+    paired_load = []
+    reference = root / f"paired-{acc.global_rank}.bin"
+    disk_write(acc, reference, 3 * nbytes)
+    for _ in range(PAIRS):
+        disk_s = disk_read(acc, reference, cold=True)
+        if acc.global_rank == 0:
+            evict(root / "ckpt_adam")
+        paired_load.append(disk_s / timed(acc, lambda: acc.load(root / "ckpt_adam", adam_state)))
+    reference.unlink()
     # A fresh optimizer without state (a restarted process): the moments land in new memory.
     fresh_state = {"model": model, "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-4)}
     adam_load_fresh = timed(acc, lambda: acc.load(root / "ckpt_adam", fresh_state))
@@ -192,13 +228,15 @@ def main(acc: Accelerator, folder: str, gigabytes: float) -> dict:
         "adam_load_again_gbps": adam_gb / adam_load_again,
         "adam_load_cold_gbps": adam_gb / adam_load_cold,
         "adam_load_fresh_gbps": adam_gb / adam_load_fresh,
-        "disk_write_gbps": disk_write,
-        "disk_read_gbps": disk_read,
+        "disk_write_gbps": write_gbps,
+        "disk_read_gbps": read_gbps,
         "save_s": save,
         "save_gbps": total_gb / save,
         "save_again_s": save_again,
         "save_third_s": save_third,
         "save_steady_s": sorted(save_steady)[0],
+        "paired_save_ratios": paired_save,
+        "paired_cold_load_ratios": paired_load,
         "load_s": load,
         "load_gbps": total_gb / load,
         "subset_local_gb": rest_local / 1e9,
@@ -252,6 +290,13 @@ if __name__ == "__main__":
         f" {r['adam_load_gbps']:.2f} GB/s = {r['adam_load_gbps'] / r['disk_read_gbps']:.2f} of the disk"
         f" (target >= 0.9; loaded again: {r['adam_load_again_gbps'] / r['disk_read_gbps']:.2f});"
         f" from the disk {r['adam_load_cold_gbps'] / r['disk_cold_gbps']:.2f} of it"
+    )
+    print(
+        f"       paired with the disk under the same conditions ({PAIRS} pairs, median of the ratios):"
+        f" replacing save with a step between {median(r['paired_save_ratios']):.2f} of the disk's write"
+        f" (target >= 0.8; pairs {', '.join(f'{x:.2f}' for x in r['paired_save_ratios'])}),"
+        f" model + AdamW load from the disk {median(r['paired_cold_load_ratios']):.2f} of its cold read"
+        f" (target >= 0.9; pairs {', '.join(f'{x:.2f}' for x in r['paired_cold_load_ratios'])})"
     )
     print(
         f"       the same into a fresh optimizer (moments into new memory):"
