@@ -319,17 +319,34 @@ def reset_meta_modules(module: nn.Module, device: torch.device | str) -> bool:
     """Materialize a model built under plain ``torch.device("meta")`` as Lightning Fabric does.
 
     Such a model has no recorded init (it was not built in ``init_module(empty_init=True)``, the
-    exact path): ``to_empty`` on ``device``, then each module's ``reset_parameters()``; modules
-    without one keep uninitialized memory, named in Fabric's warning. Returns whether it did anything
+    exact path): each module that holds meta tensors gets ``to_empty`` on ``device``, then its
+    ``reset_parameters()``; modules without one keep uninitialized memory, named in Fabric's
+    warning. Modules whose tensors are all real (a pretrained part loaded with
+    ``load_state_dict(..., assign=True)``) are left as they are; a module holding both is refused,
+    since its ``reset_parameters()`` would overwrite the real ones. Returns whether it did anything
     (nothing for a model without meta tensors or built inside ``init_module``).
     """
     if not has_meta_tensors(module) or has_init_records(module):
         return False
-    module.to_empty(device=device)
-    uninitialized = []
-    for sub in module.modules():
-        if not any(True for _ in (*sub.parameters(recurse=False), *sub.buffers(recurse=False))):
+    holding_meta = []
+    for name, sub in module.named_modules():
+        own = [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]
+        meta = [key for key, tensor in own if tensor.is_meta]
+        if not meta:
             continue
+        real = [key for key, tensor in own if not tensor.is_meta]
+        if real:
+            raise ValueError(
+                f"The module {name or '(the model)'!r} ({type(sub).__name__}) holds meta tensors"
+                f" {meta} next to real ones {real}: its `reset_parameters()` would overwrite the real"
+                " ones. Build the model inside `acc.init_module(empty_init=True)` (its init is then"
+                " replayed on the meta tensors only), or give the module all its real tensors, or none."
+            )
+        holding_meta.append(sub)
+    for sub in holding_meta:  # all first: a parent's reset_parameters() may initialize its children
+        sub.to_empty(device=device, recurse=False)
+    uninitialized = []
+    for sub in holding_meta:
         reset = getattr(sub, "reset_parameters", None)
         if callable(reset):
             reset()

@@ -252,3 +252,35 @@ def test_a_model_built_under_plain_meta_is_materialized_as_fabric_does(strategy:
         model = acc.setup(model)
     different = mismatches(reference, model)
     assert set(different) <= {"2.scale"}  # uninitialized memory on both sides; every reset module equal
+
+
+@pytest.mark.parametrize("strategy", ["single", "fsdp"])
+def test_a_plain_meta_model_keeps_a_part_loaded_with_assign(strategy: str) -> None:
+    """Fine-tuning built under plain ``torch.device("meta")``: the loaded backbone is kept, the head reset."""
+    acc = _acc(strategy)
+    torch.manual_seed(0)
+    pretrained = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    model = _plain_meta_model()
+    model.load_state_dict(
+        {f"{k}": v.clone() for k, v in pretrained.state_dict().items()}, strict=False, assign=True
+    )
+    torch.manual_seed(1)
+    head = nn.Linear(4, 2)  # what reset_parameters() draws first after the seed
+    torch.manual_seed(1)
+    with pytest.warns(UserWarning, match="Parameter initialization incomplete.*_Scale"):
+        model = acc.setup(model)
+    state = _states(model)
+    for key, value in pretrained.state_dict().items():
+        assert torch.equal(state[key], value), key
+    assert torch.equal(state["3.weight"], head.weight) and torch.equal(state["3.bias"], head.bias)
+
+
+def test_a_plain_meta_module_with_real_and_meta_tensors_is_refused_naming_both() -> None:
+    acc = _acc("single")
+    model = _plain_meta_model()
+    model[0].weight = nn.Parameter(torch.ones(4, 4))  # the bias stays on meta
+    with pytest.raises(
+        ValueError, match=r"'0' \(Linear\) holds meta tensors \['bias'\] next to real ones \['weight'\]"
+    ):
+        acc.setup(model)
+    assert torch.equal(model[0].weight, torch.ones(4, 4)) and model[0].bias.is_meta  # nothing changed
