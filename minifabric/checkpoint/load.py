@@ -93,27 +93,39 @@ def _views(state: dict[str, Any], plan: validate.LoadPlan) -> dict[str, set[tupl
     A parameter or buffer qualifies when the module owning it loads with ``nn.Module``'s own
     ``_load_from_state_dict`` (identified by its code), which copies into the live tensor. A module
     that overrides it may keep the tensor it is given (a cache, a buffer of varying length), which
-    would keep the shard file mapped after the load: its tensors are read into fresh memory. Extra
+    would keep the shard file mapped after the load: its tensors are read into fresh memory. So are
+    all tensors of a model whose ``load_state_dict`` is overridden, and those under a module with a
+    load pre-hook (``register_load_state_dict_pre_hook``), which sees them and may keep them. Extra
     state, which ``set_extra_state`` may keep as given, never qualifies. An optimizer's state tensor
     qualifies where the live optimizer already holds one of the same shape and dtype:
     :func:`load_optimizer` copies into it.
     """
     copies = nn.Module._load_from_state_dict.__code__
+    loads = nn.Module.load_state_dict.__code__
     out: dict[str, set[tuple]] = {}
     for key, module in state.items():
         if isinstance(module, Optimizer) and key in plan.trees:
             out[key] = _optimizer_views(module, plan.trees[key])
         if not isinstance(module, nn.Module):
             continue
+        out[key] = set()
+        if getattr(type(module).load_state_dict, "__code__", None) is not loads:
+            continue
+        hooked = [prefix for prefix, sub in module.named_modules() if sub._load_state_dict_pre_hooks]
         names: set[str] = set()
         for prefix, sub in module.named_modules(remove_duplicate=False):
             loader = getattr(type(sub)._load_from_state_dict, "__code__", None)
-            if loader is not copies:
+            if loader is not copies or any(_under(prefix, above) for above in hooked):
                 continue
             owned = [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]
             names |= {f"{prefix}.{name}" if prefix else name for name, _ in owned}
         out[key] = {(name,) for name in names}
     return out
+
+
+def _under(prefix: str, above: str) -> bool:
+    """Whether the module at ``prefix`` is the module at ``above`` or inside it ("" is the root)."""
+    return not above or prefix == above or prefix.startswith(above + ".")
 
 
 def _optimizer_views(optimizer: Optimizer, saved: Any) -> set[tuple]:

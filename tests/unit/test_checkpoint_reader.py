@@ -285,6 +285,45 @@ def test_a_module_that_keeps_the_loaded_tensor_keeps_no_file_mapped(tmp_path: Pa
     assert not _mapped_files(tmp_path)
 
 
+class _KeepsWhatItLoads(nn.Sequential):
+    """Keeps every tensor of the state dict ``load_state_dict`` was given."""
+
+    def load_state_dict(self, state_dict, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.kept = dict(state_dict)
+        return super().load_state_dict(state_dict, *args, **kwargs)
+
+
+def _pre_hooked() -> nn.Module:
+    """A model whose inner module keeps the tensors its load pre-hook sees (a key migration that caches)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
+    model[1].kept = {}
+    model[1].register_load_state_dict_pre_hook(
+        lambda module, state_dict, prefix, *_: module.kept.update(
+            {k: v for k, v in state_dict.items() if k.startswith(prefix)}
+        )
+    )
+    return model
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+@pytest.mark.parametrize("build", [_pre_hooked, lambda: _KeepsWhatItLoads(nn.Linear(8, 8), nn.Linear(8, 2))])
+def test_a_load_hook_or_load_state_dict_that_keeps_tensors_keeps_no_file_mapped(
+    tmp_path: Path, build
+) -> None:
+    acc = _single(tmp_path)
+    torch.manual_seed(0)
+    model = build()
+    acc.save(tmp_path / "ckpt", {"model": model})
+    fresh = build()
+    acc.load(tmp_path / "ckpt", {"model": fresh})
+    gc.collect()
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True)
+    )
+    assert not _mapped_files(tmp_path)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 def test_optimizer_state_loads_into_the_live_state_tensors_and_keeps_nothing_mapped(tmp_path: Path) -> None:
     acc = _single(tmp_path)
