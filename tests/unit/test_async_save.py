@@ -1,9 +1,12 @@
+import errno
 import time
 
+import pytest
 import torch
 
 import minifabric.checkpoint.service as service
-from minifabric import Accelerator
+import minifabric.checkpoint.writer as writer
+from minifabric import Accelerator, CheckpointError
 
 
 def _slow_stage(monkeypatch, seconds=0.5):
@@ -51,3 +54,33 @@ def test_no_step_hook_is_left_behind_after_the_save_completes(tmp_path):
     acc.save(tmp_path / "a.pt", {"model": model, "optimizer": optimizer}, asynchronous=True)
     acc.save(tmp_path / "b.pt", {"model": model, "optimizer": optimizer})  # waits for the first
     assert not optimizer.optimizer._optimizer_step_pre_hooks
+
+
+@pytest.mark.parametrize("then", ["save", "load"])
+@pytest.mark.parametrize("fault", ["copy", "write"])
+def test_a_failed_background_save_surfaces_at_the_next_save_or_load(tmp_path, monkeypatch, fault, then):
+    """Nobody waited for the handle: the next ``save`` or ``load`` raises the failure, writing nothing."""
+    acc = Accelerator(accelerator="cpu", strategy="fsdp", devices=1)
+    acc.launch()
+    model = acc.setup(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)))
+    acc.save(tmp_path / "good", {"model": model})
+
+    def fails(*args, **kwargs):
+        if fault == "copy":
+            raise MemoryError("host memory exhausted while copying")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(*((service, "stage") if fault == "copy" else (writer, "save_without_crc32")), fails)
+    handle = acc.save(tmp_path / "bad", {"model": model}, asynchronous=True)
+    while not handle.done():
+        time.sleep(0.01)
+    monkeypatch.undo()
+    cause = "host memory exhausted" if fault == "copy" else "No space left on device"
+    with pytest.raises(CheckpointError, match=cause):
+        if then == "save":
+            acc.save(tmp_path / "next", {"model": model})
+        else:
+            acc.load(tmp_path / "good", {"model": model})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good"]  # nothing half-written, "next" not begun
+    acc.save(tmp_path / "next", {"model": model})  # reported once: the next save runs
+    acc.load(tmp_path / "next", {"model": model})
