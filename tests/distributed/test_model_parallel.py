@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from minifabric import Accelerator, FSDPStrategy, ModelParallelStrategy
+from minifabric.checkpoint.consolidate import consolidate
 from tests.helpers import run_distributed
 from tests.tp_models import TPConfig, TPTransformer, parallelize, tp_batches, tp_loss, tp_optimizer
 
@@ -231,12 +232,13 @@ def _four_ranks(rank: int, ckpt: str) -> dict[str, Any]:
         strategy = FSDPStrategy(sharding_strategy="HYBRID_SHARD", device_mesh=(replicas, shards))
         acc = acc_for(strategy)
         result = _train(acc, 4, rank, _placements_hsdp)
-        model = result.pop("model")
-        result.pop("optimizer")
+        model, optimizer = result.pop("model"), result.pop("optimizer")
         out["hsdp"][(replicas, shards)] = result
         if (replicas, shards) == (2, 2):
             out["reductions_hsdp"] = [_reductions(acc, model, k) for k in (1, 3)]
             out["accumulation_bytes_hsdp"] = _accumulation_bytes(acc, model)
+            acc.save(ckpt + "-hsdp", {"model": model, "optimizer": optimizer})
+            out["saved_hsdp"] = _full(model)
     # the (2, 2) checkpoint, loaded at (4, 1) and saved again for the 2-rank job
     acc = acc_for(ModelParallelStrategy(parallelize, data_parallel_size=4, tensor_parallel_size=1))
     with acc.init_module(empty_init=True):
@@ -264,6 +266,8 @@ def _two_ranks(rank: int, ckpt: str) -> dict[str, Any]:
     acc.load(ckpt + "-41", {"model": model, "optimizer": optimizer})
     acc.save(ckpt + "-12", {"model": model, "optimizer": optimizer})
     out: dict[str, Any] = {"loaded_12": _full(model)}
+    acc.load(ckpt + "-hsdp", {"model": model, "optimizer": optimizer})  # HSDP (2, 2) into 2-D (1, 2)
+    out["hsdp_loaded_12"] = _full(model)
     fsdp = Accelerator(accelerator="cpu", strategy="fsdp", devices=2)  # plain FSDP, no plan
     fsdp.launch()
     with fsdp.init_module(empty_init=True):
@@ -271,6 +275,8 @@ def _two_ranks(rank: int, ckpt: str) -> dict[str, Any]:
     plain, plain_opt = fsdp.setup(plain, tp_optimizer(plain))
     fsdp.load(ckpt + "-41", {"model": plain, "optimizer": plain_opt})
     out["loaded_fsdp"] = _full(plain)
+    fsdp.load(ckpt + "-hsdp", {"model": plain, "optimizer": plain_opt})  # HSDP (2, 2) into FSDP x2
+    out["hsdp_loaded_fsdp"] = _full(plain)
     out.update(_precision_policies())
     out.update(_two_models_one_checkpoint(ckpt + "-pair"))
     out.update(_activation_checkpointing(ckpt + "-ac"))
@@ -348,21 +354,23 @@ def _two_models_one_checkpoint(path: str) -> dict[str, Any]:
 
 def _activation_checkpointing(path: str) -> dict[str, Any]:
     """Recomputing the blocks changes nothing (bitwise); the checkpoint loads into a model without it."""
+    from minifabric._torch import activations_checkpointed
     from tests.tp_models import TPBlock
 
-    finals = []
+    finals, applied = [], []
     for policy in (None, {TPBlock}):
         acc = _mp_acc(activation_checkpointing_policy=policy)
         torch.manual_seed(0)
         model = TPTransformer(CFG)
         model, optimizer = acc.setup(model, tp_optimizer(model))
+        applied.append([activations_checkpointed(block) for block in model.module.blocks])
         for batch in tp_batches(2, 2, CFG):
             acc.backward(tp_loss(model, batch))
             optimizer.step()
             optimizer.zero_grad()
         finals.append(_full(model))
     acc.save(path, {"model": model, "optimizer": optimizer})
-    return {"ac_equal": _close(finals[0], finals[1], 0) == [], "ac_final": finals[1]}
+    return {"ac_equal": _close(finals[0], finals[1], 0) == [], "ac_final": finals[1], "ac_applied": applied}
 
 
 def _reference(groups: int) -> dict[str, Any]:
@@ -467,6 +475,8 @@ def test_precision_two_models_and_activation_checkpointing(runs: dict[str, Any])
         assert out["kept"] == (torch.float16, torch.float16)  # the root follows the function's policy
         assert out["pair_loaded"] and out["pair_differs"]
         assert out["ac_equal"]
+        blocks = len(out["ac_applied"][0])
+        assert blocks and out["ac_applied"] == [[False] * blocks, [True] * blocks]  # the policy took effect
     acc = Accelerator(accelerator="cpu", devices=1)
     model = acc.setup(TPTransformer(CFG))  # no activation checkpointing, no plan
     acc.load(runs["ckpt"] + "-ac", {"model": model}, strict=False)
@@ -490,4 +500,29 @@ def test_checkpoint_across_layouts(runs: dict[str, Any], tmp_path: Path) -> None
     torch.save(model.module.state_dict(), tmp_path / "plain.pt")
     plain = TPTransformer(CFG)
     plain.load_state_dict(torch.load(tmp_path / "plain.pt", weights_only=True))
+    assert _close(plain.state_dict(), saved, 0) == []
+    # the 2-D (2, 2) checkpoint consolidated offline into one file: the same values
+    consolidate(runs["ckpt"], tmp_path / "consolidated.pt")
+    plain = TPTransformer(CFG)
+    plain.load_state_dict(torch.load(tmp_path / "consolidated.pt", weights_only=True)["state"]["model"])
+    assert _close(plain.state_dict(), saved, 0) == []
+
+
+def test_an_hsdp_checkpoint_loads_at_other_layouts_and_consolidates(
+    runs: dict[str, Any], tmp_path: Path
+) -> None:
+    saved = runs["four"][0]["saved_hsdp"]
+    assert all(_close(out["saved_hsdp"], saved, 0) == [] for out in runs["four"])
+    assert _close(saved, runs["four"][0]["saved"], 0) != []  # not the 2-D run's weights: a real check
+    for out in runs["two"]:  # into 2-D (1, 2) and into plain FSDP on 2 ranks
+        assert _close(out["hsdp_loaded_12"], saved, 0) == []
+        assert _close(out["hsdp_loaded_fsdp"], saved, 0) == []
+    acc = Accelerator(accelerator="cpu", devices=1)  # one process
+    model = TPTransformer(CFG)
+    model, optimizer = acc.setup(model, tp_optimizer(model))
+    acc.load(runs["ckpt"] + "-hsdp", {"model": model, "optimizer": optimizer})
+    assert _close(_full(model.module), saved, 0) == []
+    consolidate(runs["ckpt"] + "-hsdp", tmp_path / "hsdp.pt")
+    plain = TPTransformer(CFG)
+    plain.load_state_dict(torch.load(tmp_path / "hsdp.pt", weights_only=True)["state"]["model"])
     assert _close(plain.state_dict(), saved, 0) == []
