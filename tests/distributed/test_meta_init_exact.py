@@ -52,7 +52,33 @@ def cases_on_ranks(rank: int, world_size: int) -> dict[str, list[str]]:
     )
     if not differ:
         out["assign"].append("the pretrained backbone was not kept")
+    out["verify"] = _self_check(acc)
     return out
+
+
+class _Unseen(torch.nn.Module):
+    """An init the recording cannot see: a helper that skips meta tensors, as some libraries do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+        if not self.b.weight.is_meta:
+            torch.nn.init.constant_(self.b.weight, 0.5)
+
+
+def _self_check(acc: Accelerator) -> list[str]:
+    """``verify=True`` on 2 ranks: rank 0 compares with an eager build, and every rank gets its verdict."""
+    with acc.init_module(empty_init=True, verify=True):
+        exact = STYLES["hf"]()
+    acc.setup(exact)  # equal to eager: no error on any rank
+    with acc.init_module(empty_init=True, verify=True):
+        unseen = _Unseen()
+    try:
+        acc.setup(unseen)
+    except RuntimeError as error:
+        return [] if "_Unseen.b.weight differs from eager" in str(error) else [str(error)]
+    return ["the init the recording cannot see was not found"]
 
 
 def test_off_path_init_and_transformers_models_equal_eager_on_every_rank() -> None:
