@@ -38,6 +38,7 @@ from minifabric._torch.distributed import (
 from minifabric._torch.init import (
     module_construction_hook,
     module_registration_hooks,
+    refusing_writes,
     seeded_op_probe,
     storage_key,
     swap_module_tensors,
@@ -78,6 +79,7 @@ __all__ = [
     "memory_tracker",
     "module_construction_hook",
     "module_registration_hooks",
+    "refusing_writes",
     "register_global_step_pre_hook",
     "return_freed_memory",
     "save_without_crc32",

@@ -131,6 +131,36 @@ def _probe_mode_class() -> Any:
     return _SeededOpProbe._mode_class
 
 
+@contextmanager
+def refusing_writes(protected: dict[int, str], refuse: Callable[[str, str], BaseException]) -> Iterator[None]:
+    """Inside, an ATen op that would write into protected memory raises ``refuse(name, op)`` before it runs.
+
+    ``protected`` maps :func:`storage_key` of a tensor to its name. Which arguments an op writes is
+    read from the op's schema (those marked as written: in-place ops, ``out=``), not from a list of
+    names; writes through ``.data`` or any view reach the same storage and are caught too.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Mode(TorchDispatchMode):
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            return False  # as in the seeded-op probe: nothing is compiled inside
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            for index, argument in enumerate(func._schema.arguments):
+                if argument.alias_info is None or not argument.alias_info.is_write:
+                    continue
+                value = args[index] if index < len(args) else kwargs.get(argument.name)
+                for tensor in value if isinstance(value, list | tuple) else [value]:
+                    if isinstance(tensor, torch.Tensor) and storage_key(tensor) in protected:
+                        raise refuse(protected[storage_key(tensor)], str(func))
+            return func(*args, **kwargs)
+
+    with Mode():
+        yield
+
+
 def seeded_op_probe() -> _SeededOpProbe:
     """A context manager whose ``.seeded`` lists the random ATen ops run inside it.
 

@@ -90,12 +90,13 @@ def _resolver(obj: Any) -> Resolver:
 def _views(state: dict[str, Any], plan: validate.LoadPlan) -> dict[str, set[tuple]]:
     """Per entry, the paths of the saved tensors that are surely copied out (and may be read as file views).
 
-    A parameter or buffer qualifies when the module owning it loads with ``nn.Module``'s own
-    ``_load_from_state_dict`` (identified by its code), which copies into the live tensor. A module
-    that overrides it may keep the tensor it is given (a cache, a buffer of varying length), which
-    would keep the shard file mapped after the load: its tensors are read into fresh memory. So are
-    all tensors of a model whose ``load_state_dict`` is overridden, and those under a module with a
-    load pre-hook (``register_load_state_dict_pre_hook``), which sees them and may keep them. Extra
+    A parameter or buffer qualifies when the module owning it, and every module above it, loads
+    with ``nn.Module``'s own ``_load_from_state_dict`` (identified by its code, on the instance or
+    its class), which copies into the live tensor, and has no load pre-hook. A module that overrides
+    it, or a pre-hook (``register_load_state_dict_pre_hook``), sees the tensors of its whole subtree
+    and may keep them (a cache, a buffer of varying length), which would keep the shard file mapped
+    after the load: those are read into fresh memory. So are all tensors of a model whose
+    ``load_state_dict`` is overridden. Extra
     state, which ``set_extra_state`` may keep as given, never qualifies. An optimizer's state tensor
     qualifies where the live optimizer already holds one of the same shape and dtype:
     :func:`load_optimizer` copies into it.
@@ -109,18 +110,29 @@ def _views(state: dict[str, Any], plan: validate.LoadPlan) -> dict[str, set[tupl
         if not isinstance(module, nn.Module):
             continue
         out[key] = set()
-        if getattr(type(module).load_state_dict, "__code__", None) is not loads:
+        if _code(module, "load_state_dict") is not loads:
             continue
-        hooked = [prefix for prefix, sub in module.named_modules() if sub._load_state_dict_pre_hooks]
+        every = list(module.named_modules(remove_duplicate=False))  # a shared module loads once per name
+        # these see (and may keep) every tensor below them
+        keeping = [
+            prefix
+            for prefix, sub in every
+            if sub._load_state_dict_pre_hooks or _code(sub, "_load_from_state_dict") is not copies
+        ]
         names: set[str] = set()
-        for prefix, sub in module.named_modules(remove_duplicate=False):
-            loader = getattr(type(sub)._load_from_state_dict, "__code__", None)
-            if loader is not copies or any(_under(prefix, above) for above in hooked):
+        for prefix, sub in every:
+            if any(_under(prefix, above) for above in keeping):
                 continue
             owned = [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]
             names |= {f"{prefix}.{name}" if prefix else name for name, _ in owned}
         out[key] = {(name,) for name in names}
     return out
+
+
+def _code(module: nn.Module, method: str) -> Any:
+    """The code object ``module.method`` runs (set on the instance or its class), or None."""
+    function = vars(module)[method] if method in vars(module) else getattr(type(module), method, None)
+    return getattr(getattr(function, "__func__", function), "__code__", None)
 
 
 def _under(prefix: str, above: str) -> bool:

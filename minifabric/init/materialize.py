@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from minifabric._torch import swap_module_tensors, tensor_version
+from minifabric._torch import refusing_writes, storage_key, swap_module_tensors, tensor_version
 from minifabric.init.recipe import SEALED, Handle, Real, Ref, forget_records, handle_of, module_record
 from minifabric.init.replay import apply_chain, evaluate, resolver
 
@@ -319,39 +319,42 @@ def reset_meta_modules(module: nn.Module, device: torch.device | str) -> bool:
     """Materialize a model built under plain ``torch.device("meta")`` as Lightning Fabric does.
 
     Such a model has no recorded init (it was not built in ``init_module(empty_init=True)``, the
-    exact path): each module that holds meta tensors gets ``to_empty`` on ``device``, then its
+    exact path): its meta tensors get memory on ``device``, then each module holding one runs its
     ``reset_parameters()``; modules without one keep uninitialized memory, named in Fabric's
-    warning. Modules whose tensors are all real (a pretrained part loaded with
-    ``load_state_dict(..., assign=True)``) are left as they are; a module holding both is refused,
-    since its ``reset_parameters()`` would overwrite the real ones. Returns whether it did anything
-    (nothing for a model without meta tensors or built inside ``init_module``).
+    warning. Parameter objects are kept (tied weights stay tied), and so are the real tensors the
+    model held before (a pretrained part loaded with ``load_state_dict(..., assign=True)``): a
+    ``reset_parameters()`` that would write into one, or replace it, raises naming both, before the
+    write. Returns whether it did anything (nothing for a model without meta tensors or built
+    inside ``init_module``).
     """
     if not has_meta_tensors(module) or has_init_records(module):
         return False
-    holding_meta = []
-    for name, sub in module.named_modules():
-        own = [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]
-        meta = [key for key, tensor in own if tensor.is_meta]
-        if not meta:
-            continue
-        real = [key for key, tensor in own if not tensor.is_meta]
-        if real:
-            raise ValueError(
-                f"The module {name or '(the model)'!r} ({type(sub).__name__}) holds meta tensors"
-                f" {meta} next to real ones {real}: its `reset_parameters()` would overwrite the real"
-                " ones. Build the model inside `acc.init_module(empty_init=True)` (its init is then"
-                " replayed on the meta tensors only), or give the module all its real tensors, or none."
-            )
-        holding_meta.append(sub)
-    for sub in holding_meta:  # all first: a parent's reset_parameters() may initialize its children
-        sub.to_empty(device=device, recurse=False)
+    kept = {name: t for name, t in (*module.named_parameters(), *module.named_buffers()) if not t.is_meta}
+    holding_meta = [
+        (name, sub)
+        for name, sub in module.named_modules()
+        if any(t.is_meta for t in (*sub.parameters(recurse=False), *sub.buffers(recurse=False)))
+    ]
+    swap_module_tensors(module, lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    protected = {storage_key(t): name for name, t in kept.items() if t.numel()}
     uninitialized = []
-    for sub in holding_meta:
+    for name, sub in holding_meta:
         reset = getattr(sub, "reset_parameters", None)
-        if callable(reset):
-            reset()
-        else:
+        if not callable(reset):
             uninitialized.append(type(sub).__name__)
+            continue
+
+        def refuse(tensor: str, op: str, name: str = name, sub: nn.Module = sub) -> ValueError:
+            return _overwrites_real(
+                f"`{name or 'the model'}.reset_parameters()` ({type(sub).__name__})", tensor, op
+            )
+
+        with refusing_writes(protected, refuse):
+            reset()
+    now = dict((*module.named_parameters(), *module.named_buffers()))
+    for name, tensor in kept.items():
+        if now.get(name) is not tensor:
+            raise _overwrites_real("a `reset_parameters()`", name, "a new tensor in its place")
     if uninitialized:
         warnings.warn(
             "Parameter initialization incomplete. The following modules have parameters or buffers with"
@@ -360,3 +363,12 @@ def reset_meta_modules(module: nn.Module, device: torch.device | str) -> bool:
             stacklevel=3,
         )
     return True
+
+
+def _overwrites_real(who: str, tensor: str, how: str) -> ValueError:
+    return ValueError(
+        f"{who} would overwrite {tensor!r} ({how}), a real tensor the model held before `setup` (a part"
+        " loaded with `assign=True`?) in a model built under plain `torch.device('meta')`; `setup` keeps"
+        " real tensors. Build the model inside `acc.init_module(empty_init=True)` (its init is then"
+        " replayed on the meta tensors only), or materialize it yourself before `setup`."
+    )

@@ -305,8 +305,44 @@ def _pre_hooked() -> nn.Module:
     return model
 
 
+def _shared_pre_hooked() -> nn.Module:
+    """One module under two names: its pre-hook runs once per name."""
+    shared = _pre_hooked()[1]
+    return nn.ModuleDict({"x": shared, "y": shared})
+
+
+def _instance_overrides(method: str) -> nn.Module:
+    """``load_state_dict`` or a submodule's ``_load_from_state_dict`` replaced on the instance."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
+    target = model if method == "load_state_dict" else model[1]  # sees its children's tensors too
+    original = getattr(target, method)
+
+    def keeping(state_dict, *args, **kwargs):  # type: ignore[no-untyped-def]
+        target.kept = dict(state_dict)
+        return original(state_dict, *args, **kwargs)
+
+    setattr(target, method, keeping)
+    return model
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
-@pytest.mark.parametrize("build", [_pre_hooked, lambda: _KeepsWhatItLoads(nn.Linear(8, 8), nn.Linear(8, 2))])
+@pytest.mark.parametrize(
+    "build",
+    [
+        _pre_hooked,
+        _shared_pre_hooked,
+        lambda: _KeepsWhatItLoads(nn.Linear(8, 8), nn.Linear(8, 2)),
+        lambda: _instance_overrides("load_state_dict"),
+        lambda: _instance_overrides("_load_from_state_dict"),
+    ],
+    ids=[
+        "pre-hook",
+        "shared-module-pre-hook",
+        "load_state_dict",
+        "instance-load_state_dict",
+        "instance-_load_from_state_dict",
+    ],
+)
 def test_a_load_hook_or_load_state_dict_that_keeps_tensors_keeps_no_file_mapped(
     tmp_path: Path, build
 ) -> None:

@@ -275,12 +275,53 @@ def test_a_plain_meta_model_keeps_a_part_loaded_with_assign(strategy: str) -> No
     assert torch.equal(state["3.weight"], head.weight) and torch.equal(state["3.bias"], head.bias)
 
 
-def test_a_plain_meta_module_with_real_and_meta_tensors_is_refused_naming_both() -> None:
+def test_a_plain_meta_module_with_real_and_meta_tensors_keeps_the_real_ones_or_refuses() -> None:
     acc = _acc("single")
     model = _plain_meta_model()
     model[0].weight = nn.Parameter(torch.ones(4, 4))  # the bias stays on meta
+    with pytest.raises(ValueError, match=r"`0.reset_parameters\(\)` \(Linear\) would overwrite '0.weight'"):
+        acc.setup(model)
+    assert torch.equal(model[0].weight, torch.ones(4, 4))  # refused before the write
+
+
+class _Parent(nn.Module):
+    """Its ``reset_parameters()`` initializes a child too (as many models' inits do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.empty(3))
+        self.child = nn.Linear(3, 3)
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.pos)
+        with torch.no_grad():
+            self.child.weight.data.fill_(7.0)  # through .data: the same memory
+
+
+def test_a_parent_reset_that_would_overwrite_a_loaded_child_is_refused_naming_both() -> None:
+    acc = _acc("single")
+    with torch.device("meta"):
+        model = _Parent()
+    model.child.load_state_dict({"weight": torch.ones(3, 3), "bias": torch.ones(3)}, assign=True)
     with pytest.raises(
-        ValueError, match=r"'0' \(Linear\) holds meta tensors \['bias'\] next to real ones \['weight'\]"
+        ValueError, match=r"`the model.reset_parameters\(\)` \(_Parent\) would overwrite 'child.weight'"
     ):
         acc.setup(model)
-    assert torch.equal(model[0].weight, torch.ones(4, 4)) and model[0].bias.is_meta  # nothing changed
+    assert torch.equal(model.child.weight, torch.ones(3, 3))
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+
+@pytest.mark.parametrize("strategy", ["single", "fsdp"])
+def test_a_plain_meta_model_keeps_its_tied_weights_tied(strategy: str) -> None:
+    acc = _acc(strategy)
+    with torch.device("meta"):
+        model = _Tied()
+    model = _inner(acc.setup(model))
+    assert model.head.weight is model.emb.weight and not model.emb.weight.is_meta
