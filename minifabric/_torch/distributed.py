@@ -154,3 +154,27 @@ def unresolved_plan_keys() -> Iterator[list[str]]:
             found.append(text)
         else:
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+
+
+def load_pre_hooks_keep_nothing(module: nn.Module) -> bool:
+    """Whether every load pre-hook of ``module`` is FSDP2's own, which reshards and ignores the tensors.
+
+    FSDP2 registers one on each module holding its parameters. It is recognised by its code
+    object, found in the code of the method that registers it; any other hook may keep the tensors
+    it sees.
+    """
+    return all(
+        getattr(getattr(hook, "hook", hook), "__code__", None) is _fsdp_to_sharded_hook_code()
+        for hook in module._load_state_dict_pre_hooks.values()
+    )
+
+
+def _fsdp_to_sharded_hook_code() -> Any:
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    codes = [
+        const
+        for const in FSDPParamGroup._register_state_dict_hooks.__code__.co_consts
+        if getattr(const, "co_name", None) == "to_sharded_hook"
+    ]
+    return codes[0] if len(codes) == 1 else object()  # not found: no hook is taken for FSDP's

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from minifabric._torch import load_pre_hooks_keep_nothing
 from minifabric.checkpoint import rng, validate
 from minifabric.checkpoint.comm import Comm
 from minifabric.checkpoint.format import is_ref, is_stateful, ref_dtype
@@ -92,8 +93,8 @@ def _views(state: dict[str, Any], plan: validate.LoadPlan) -> dict[str, set[tupl
 
     A parameter or buffer qualifies when the module owning it, and every module above it, loads
     with ``nn.Module``'s own ``_load_from_state_dict`` (identified by its code, on the instance or
-    its class), which copies into the live tensor, and has no load pre-hook. A module that overrides
-    it, or a pre-hook (``register_load_state_dict_pre_hook``), sees the tensors of its whole subtree
+    its class), which copies into the live tensor, and has no load pre-hook but FSDP2's own. A module
+    that overrides it, or a pre-hook (``register_load_state_dict_pre_hook``), sees the tensors of its whole subtree
     and may keep them (a cache, a buffer of varying length), which would keep the shard file mapped
     after the load: those are read into fresh memory. So are all tensors of a model whose
     ``load_state_dict`` is overridden. Extra
@@ -117,7 +118,7 @@ def _views(state: dict[str, Any], plan: validate.LoadPlan) -> dict[str, set[tupl
         keeping = [
             prefix
             for prefix, sub in every
-            if sub._load_state_dict_pre_hooks or _code(sub, "_load_from_state_dict") is not copies
+            if not load_pre_hooks_keep_nothing(sub) or _code(sub, "_load_from_state_dict") is not copies
         ]
         names: set[str] = set()
         for prefix, sub in every:
@@ -127,6 +128,15 @@ def _views(state: dict[str, Any], plan: validate.LoadPlan) -> dict[str, set[tupl
             names |= {f"{prefix}.{name}" if prefix else name for name, _ in owned}
         out[key] = {(name,) for name in names}
     return out
+
+
+def _same_layout(state: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether a state tensor is laid out like its parameter (a saved value is placed like the parameter)."""
+    if isinstance(state, DTensor) != isinstance(param, DTensor):
+        return False
+    if isinstance(state, DTensor) and isinstance(param, DTensor):
+        return state.placements == param.placements and state.device_mesh == param.device_mesh
+    return True
 
 
 def _code(module: nn.Module, method: str) -> Any:
@@ -150,8 +160,12 @@ def _optimizer_views(optimizer: Optimizer, saved: Any) -> set[tuple]:
         live = optimizer.state.get(params[index], {})
         for name, ref in values.items():
             target = live.get(name)
-            if is_ref(ref) and isinstance(target, torch.Tensor) and not isinstance(target, nn.Parameter):
-                if tuple(ref["shape"]) == tuple(target.shape) and ref_dtype(ref) == target.dtype:
+            if not isinstance(target, torch.Tensor) or isinstance(target, nn.Parameter):
+                continue
+            if is_ref(ref) or isinstance(ref, torch.Tensor):  # a one-file checkpoint holds the tensor
+                shape, dtype = (ref["shape"], ref_dtype(ref)) if is_ref(ref) else (ref.shape, ref.dtype)
+                same = tuple(shape) == tuple(target.shape) and dtype == target.dtype
+                if same and _same_layout(target, params[index]):  # what `_into` copies into
                     out.add(("state", index, name))
     return out
 

@@ -108,7 +108,8 @@ def read_entries(
     it will land in (its layout: a DTensor gets its shard), a ``DeviceMesh`` to read it sharded, or
     None. ``views`` maps an entry to the paths in its saved tree that may come back as views of the
     mapped shard files: name only tensors that are copied out (into a module's parameters and
-    buffers) and then dropped. Tensors are read into fresh memory; nothing live is written.
+    buffers) and then dropped; in a one-file checkpoint (mapped whole) every other tensor is
+    copied into fresh memory. Tensors are read into fresh memory; nothing live is written.
     """
     views = views or {}
     targets: dict[str, Any] = {}
@@ -121,7 +122,9 @@ def read_entries(
                 if path in views.get(name, ()):
                     viewable.add(value[TENSOR_REF])
                 return value
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor):  # a one-file checkpoint: a view of the mapped file
+                if path not in views.get(name, ()):  # may be kept as given: into fresh memory
+                    value = value.clone()
                 return place(value, resolve(path))
             return value
 

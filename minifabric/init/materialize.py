@@ -329,32 +329,42 @@ def reset_meta_modules(module: nn.Module, device: torch.device | str) -> bool:
     """
     if not has_meta_tensors(module) or has_init_records(module):
         return False
-    kept = {name: t for name, t in (*module.named_parameters(), *module.named_buffers()) if not t.is_meta}
+    tensors = dict((*module.named_parameters(), *module.named_buffers()))
+    kept = {name: t for name, t in tensors.items() if not t.is_meta}
+    memory = {name: t.detach() for name, t in kept.items()}  # an alias: keeps the memory alive
     holding_meta = [
         (name, sub)
         for name, sub in module.named_modules()
         if any(t.is_meta for t in (*sub.parameters(recurse=False), *sub.buffers(recurse=False)))
     ]
     swap_module_tensors(module, lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    made = {id(t) for name, t in (*module.named_parameters(), *module.named_buffers()) if name not in kept}
     protected = {storage_key(t): name for name, t in kept.items() if t.numel()}
     uninitialized = []
-    for name, sub in holding_meta:
-        reset = getattr(sub, "reset_parameters", None)
-        if not callable(reset):
-            uninitialized.append(type(sub).__name__)
-            continue
+    try:
+        for name, sub in holding_meta:
+            reset = getattr(sub, "reset_parameters", None)
+            if not callable(reset):
+                uninitialized.append(type(sub).__name__)
+                continue
 
-        def refuse(tensor: str, op: str, name: str = name, sub: nn.Module = sub) -> ValueError:
-            return _overwrites_real(
-                f"`{name or 'the model'}.reset_parameters()` ({type(sub).__name__})", tensor, op
-            )
+            def refuse(tensor: str, op: str, name: str = name, sub: nn.Module = sub) -> ValueError:
+                who = f"`{name or 'the model'}.reset_parameters()` ({type(sub).__name__})"
+                return _overwrites_real(who, tensor, op)
 
-        with refusing_writes(protected, refuse):
-            reset()
-    now = dict((*module.named_parameters(), *module.named_buffers()))
-    for name, tensor in kept.items():
-        if now.get(name) is not tensor:
-            raise _overwrites_real("a `reset_parameters()`", name, "a new tensor in its place")
+            with refusing_writes(protected, refuse):
+                reset()
+        now = dict((*module.named_parameters(), *module.named_buffers()))
+        for name, tensor in kept.items():
+            if (
+                now.get(name) is not tensor
+                or tensor.untyped_storage().data_ptr() != memory[name].untyped_storage().data_ptr()
+            ):
+                raise _overwrites_real("a `reset_parameters()`", name, "new memory in its place")
+    except BaseException:  # as before `setup`: the real tensors as they were, the others on meta again
+        _restore(module, kept, memory)
+        swap_module_tensors(module, lambda t: torch.empty_like(t, device="meta") if id(t) in made else t)
+        raise
     if uninitialized:
         warnings.warn(
             "Parameter initialization incomplete. The following modules have parameters or buffers with"
@@ -363,6 +373,17 @@ def reset_meta_modules(module: nn.Module, device: torch.device | str) -> bool:
             stacklevel=3,
         )
     return True
+
+
+def _restore(module: nn.Module, kept: dict[str, torch.Tensor], memory: dict[str, torch.Tensor]) -> None:
+    """Put each kept tensor back at its name, over the memory it had."""
+    for name, tensor in kept.items():
+        owner, _, attr = name.rpartition(".")
+        sub = module.get_submodule(owner)
+        table = sub._parameters if attr in sub._parameters else sub._buffers
+        table[attr] = tensor
+        if tensor.untyped_storage().data_ptr() != memory[name].untyped_storage().data_ptr():
+            tensor.data = memory[name]
 
 
 def _overwrites_real(who: str, tensor: str, how: str) -> ValueError:

@@ -381,3 +381,80 @@ def test_optimizer_state_loads_into_the_live_state_tensors_and_keeps_nothing_map
     assert {k: v.data_ptr() for k, v in now.items()} == pointers  # copied into, no new memory
     assert all(torch.equal(now[k], saved[k]) for k in saved)
     assert not _mapped_files(tmp_path)
+
+
+def _fsdp(tmp_path: Path) -> Accelerator:
+    acc = Accelerator(accelerator="cpu", strategy="fsdp", devices=1)
+    acc.launch()
+    return acc
+
+
+def test_fsdp_own_load_hooks_still_let_weights_be_read_as_mapped_views(tmp_path: Path) -> None:
+    """FSDP2 puts a load pre-hook on every module it shards (at the first forward); it keeps nothing."""
+    from minifabric._arguments import unwrap_state
+    from minifabric.checkpoint.load import _views
+
+    acc = _fsdp(tmp_path)
+    model = acc.setup(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+    acc.backward(model(torch.randn(2, 4)).sum())
+    inner = unwrap_state({"model": model})["model"]
+    assert all(sub._load_state_dict_pre_hooks for sub in inner)  # FSDP's own
+    plan = type("Plan", (), {"trees": {}})()
+    assert _views({"model": inner}, plan)["model"] == {(n,) for n, _ in inner.named_parameters()}
+
+
+class _PlainMoment(torch.optim.SGD):
+    """Keeps a plain-tensor moment per parameter, whatever the parameter's layout (a DTensor under FSDP)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["m"] = torch.full(tuple(p.shape), 2.0)
+        return super().step(closure)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_optimizer_state_laid_out_unlike_its_parameter_keeps_no_file_mapped(tmp_path: Path) -> None:
+    acc = _fsdp(tmp_path)
+    model = nn.Linear(4, 4)
+    model, optimizer = acc.setup(model, _PlainMoment(model.parameters(), lr=0.1))
+    acc.backward(model(torch.randn(2, 4)).sum())
+    optimizer.step()
+    acc.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer})
+    acc.load(tmp_path / "ckpt", {"model": model, "optimizer": optimizer})
+    gc.collect()
+    assert not _mapped_files(tmp_path)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+@pytest.mark.parametrize("what", ["fresh-optimizer", "kept-buffer"])
+def test_a_one_file_checkpoint_keeps_no_file_mapped(tmp_path: Path, what: str) -> None:
+    """A one-file checkpoint is mapped whole; what ``load`` hands over instead of copying is copied out."""
+    acc = Accelerator(accelerator="cpu", devices=1)
+    acc.launch()
+    assert acc.strategy.state_dict_type == "full"  # one file
+    torch.manual_seed(0)
+    if what == "kept-buffer":
+        model = _KeepsItsBuffer(length=2)
+        acc.save(tmp_path / "ckpt", {"model": model})
+        fresh = _KeepsItsBuffer(length=2)
+        acc.load(tmp_path / "ckpt", {"model": fresh})
+        assert torch.equal(fresh.cache, model.cache)
+    else:
+        model = nn.Linear(8, 8)
+        model, optimizer = acc.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        acc.backward(model(torch.randn(2, 8)).sum())
+        optimizer.step()
+        acc.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer})
+        saved = {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items()}
+        fresh = nn.Linear(8, 8)
+        fresh, fresh_optimizer = acc.setup(
+            fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        )  # no state yet
+        acc.load(tmp_path / "ckpt", {"model": fresh, "optimizer": fresh_optimizer})
+        loaded = fresh_optimizer.state_dict()["state"][0]
+        assert all(torch.equal(loaded[k], v) for k, v in saved.items())
+    gc.collect()
+    assert (tmp_path / "ckpt").is_file()
+    assert not _mapped_files(tmp_path)

@@ -325,3 +325,42 @@ def test_a_plain_meta_model_keeps_its_tied_weights_tied(strategy: str) -> None:
         model = _Tied()
     model = _inner(acc.setup(model))
     assert model.head.weight is model.emb.weight and not model.emb.weight.is_meta
+
+
+class _ParentAssigning(_Parent):
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.pos)
+        self.child.weight.data = torch.full((3, 3), 7.0)  # new memory under the same object
+
+
+def test_a_reset_that_gives_a_loaded_tensor_new_memory_is_refused_and_setup_changes_nothing() -> None:
+    acc = _acc("single")
+    with torch.device("meta"):
+        model = _ParentAssigning()
+    model.child.load_state_dict({"weight": torch.ones(3, 3), "bias": torch.ones(3)}, assign=True)
+    weight = model.child.weight
+    with pytest.raises(ValueError, match=r"would overwrite 'child.weight' \(new memory in its place\)"):
+        acc.setup(model)
+    assert model.child.weight is weight and torch.equal(weight, torch.ones(3, 3))  # as before setup
+    assert model.pos.is_meta  # and the meta tensors are meta again: a second setup cannot skip them
+
+
+def test_after_a_refusal_the_model_is_as_before_and_setup_again_refuses() -> None:
+    acc = _acc("single")
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 8))
+    model[0].weight = nn.Parameter(torch.ones(4, 4))
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"would overwrite '0\.weight'"):
+            acc.setup(model)
+        assert (
+            model[0].bias.is_meta
+            and model[1].weight.is_meta
+            and torch.equal(model[0].weight, torch.ones(4, 4))
+        )
+    model[0].bias = nn.Parameter(torch.zeros(4))  # now the first layer is all real: kept, the second reset
+    torch.manual_seed(0)
+    reference = nn.Linear(4, 8)
+    torch.manual_seed(0)
+    model = _inner(acc.setup(model))
+    assert torch.equal(model[0].weight, torch.ones(4, 4)) and torch.equal(model[1].weight, reference.weight)
