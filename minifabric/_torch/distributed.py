@@ -118,6 +118,20 @@ def local_slice(full: torch.Tensor, mesh: Any, placements: Any) -> torch.Tensor:
     return full
 
 
+def laid_out_like(full: torch.Tensor, like: Any) -> torch.Tensor:
+    """``full`` laid out like ``like``: this rank's shard of it when ``like`` is a DTensor of that shape.
+
+    Every rank holds ``full`` (read from the same file, or the same state before ``setup``), so
+    each keeps its own slice without communication (``src_data_rank=None``).
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(like, DTensor) and not isinstance(full, DTensor) and full.shape == like.shape:
+        local = full.to(like.device_mesh.device_type)
+        return distribute_tensor(local, like.device_mesh, like.placements, src_data_rank=None)
+    return full
+
+
 def default_store() -> Any:
     """The key-value store of the default process group (shared by every rank of the run)."""
     from torch.distributed.distributed_c10d import _get_default_store

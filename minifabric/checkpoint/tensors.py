@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor import empty as dtensor_empty
 
+from minifabric._torch import laid_out_like as place  # noqa: F401  (the checkpoint stages' name for it)
 from minifabric.checkpoint.format import is_ref, make_ref, ref_dtype
 
 
@@ -54,18 +55,6 @@ def empty_target(ref: dict[str, Any], like: Any) -> torch.Tensor:
     if isinstance(like, DTensor) and tuple(like.shape) == tuple(ref["shape"]):
         return torch.empty_like(like, dtype=dtype)
     return torch.empty(ref["shape"], dtype=dtype)
-
-
-def place(full: torch.Tensor, like: Any) -> torch.Tensor:
-    """``full`` laid out like ``like``: this rank's shard of it when ``like`` is a DTensor of that shape.
-
-    Every rank holds ``full`` (read from the same file), so each keeps its own slice without
-    communication (``src_data_rank=None``).
-    """
-    if isinstance(like, DTensor) and not isinstance(full, DTensor) and full.shape == like.shape:
-        local = full.to(like.device_mesh.device_type)
-        return distribute_tensor(local, like.device_mesh, like.placements, src_data_rank=None)
-    return full
 
 
 def shard_like(local: torch.Tensor, like: DTensor) -> DTensor:

@@ -14,10 +14,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from minifabric._torch import register_global_step_pre_hook
+from minifabric._torch import laid_out_like, register_global_step_pre_hook
 from minifabric.parameters import optimizer_parameters
 
 _CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module."
@@ -43,7 +44,7 @@ def rebind_optimizer(optimizer: Optimizer, names_before: dict[int, str], module:
 
     Raises:
         ValueError: a parameter of the optimizer is not a parameter of ``module``.
-        RuntimeError: the optimizer already holds state for parameters that were replaced.
+        RuntimeError: the optimizer holds state for a replaced parameter that cannot be laid out like it.
     """
     current = {_clean(name): p for name, p in module.named_parameters(remove_duplicate=False)}
     unknown = [p for p in optimizer_parameters(optimizer) if id(p) not in names_before]
@@ -56,19 +57,41 @@ def rebind_optimizer(optimizer: Optimizer, names_before: dict[int, str], module:
             " `acc.setup(model, optimizer)`."
         )
     new_groups = [[current[names_before[id(p)]] for p in group["params"]] for group in optimizer.param_groups]
-    replaced = any(
-        new is not old
+    pairs = [
+        (old, new)
         for new_params, group in zip(new_groups, optimizer.param_groups, strict=True)
         for new, old in zip(new_params, group["params"], strict=True)
-    )
-    if replaced and optimizer.state:
-        raise RuntimeError(
-            f"{type(optimizer).__name__} already has state (it was stepped before `setup`), and setup"
-            " replaced the parameters it refers to. Call `acc.setup(model, optimizer)` before the first"
-            " `optimizer.step()`."
-        )
+        if new is not old and old in optimizer.state
+    ]
+    moved = {id(old): _state_for(optimizer, old, new) for old, new in pairs}  # all checked before any move
+    for old, new in pairs:
+        del optimizer.state[old]
+        optimizer.state[new] = moved[id(old)]
     for new_params, group in zip(new_groups, optimizer.param_groups, strict=True):
         group["params"] = new_params
+
+
+def _state_for(optimizer: Optimizer, old: nn.Parameter, new: nn.Parameter) -> dict[str, Any]:
+    """The state ``optimizer`` holds for ``old``, laid out like ``new`` (each rank keeps its part).
+
+    Optimizers such as Adagrad create state in their constructor, and one stepped before ``setup``
+    has more. A state tensor shaped like the parameter is cut like the parameter; any other tensor
+    but a scalar cannot be laid out like it and is refused, as is state on the meta device.
+    """
+    out = {}
+    for key, value in optimizer.state[old].items():
+        if isinstance(value, torch.Tensor) and (value.dim() > 0 or value.is_meta):  # not a scalar step
+            if value.is_meta or tuple(value.shape) != tuple(old.shape):
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds state {key!r} of shape {tuple(value.shape)}"
+                    f"{' on the meta device' if value.is_meta else ''} for a parameter of shape"
+                    f" {tuple(old.shape)} that setup replaced, and it cannot be laid out like the new one."
+                    " Create the optimizer after setup: `model = acc.setup(model)`, then"
+                    " `optimizer = acc.setup_optimizers(torch.optim.Adagrad(model.parameters()))`."
+                )
+            value = laid_out_like(value, new)
+        out[key] = value
+    return out
 
 
 class SetupLedger:

@@ -150,3 +150,44 @@ def test_setup_twice_shards_once() -> None:
 def test_mesh_before_launch_raises() -> None:
     with pytest.raises(RuntimeError, match=r"acc.launch\(\)"):
         FSDPStrategy().mesh  # noqa: B018
+
+
+@pytest.mark.parametrize("stepped", [False, True])
+def test_an_optimizer_holding_state_before_setup_keeps_it_laid_out_like_the_new_parameters(
+    stepped: bool,
+) -> None:
+    """Adagrad creates its state in the constructor (and any optimizer has state once stepped)."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    model.load_state_dict(reference.state_dict())
+    ref_opt = torch.optim.Adagrad(reference.parameters(), lr=0.1, initial_accumulator_value=0.5)
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=0.5)
+    batches = [torch.randn(2, 4) for _ in range(3)]
+    if stepped:
+        for m, o in ((reference, ref_opt), (model, optimizer)):
+            m(batches[0]).sum().backward()
+            o.step()
+            o.zero_grad()
+    acc = _accelerator()
+    model, optimizer = acc.setup(model, optimizer)
+    for batch in batches[1:]:
+        reference(batch).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        acc.backward(model(batch).sum())
+        optimizer.step()
+        optimizer.zero_grad()
+    for (name, expected), actual in zip(
+        reference.state_dict().items(), model.module.parameters(), strict=True
+    ):
+        assert torch.allclose(actual.full_tensor(), expected, rtol=0, atol=1e-6), name
+
+
+def test_an_optimizer_with_state_over_meta_parameters_is_refused_naming_the_fix() -> None:
+    acc = _accelerator()
+    with acc.init_module(empty_init=True):
+        model = nn.Linear(4, 4)
+    optimizer = torch.optim.Adagrad(model.parameters())  # its 'sum' on the meta device
+    with pytest.raises(RuntimeError, match=r"state 'sum' of shape \(4, 4\) on the meta device.*after setup"):
+        acc.setup(model, optimizer)
