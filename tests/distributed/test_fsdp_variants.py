@@ -3,6 +3,7 @@ scaler train like the single-process reference (2 ranks; HYBRID_SHARD on a (2, 2
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 from typing import Any
@@ -222,3 +223,30 @@ def test_fp16_grad_scaler_skips_the_step_on_every_rank_when_one_rank_has_an_inf(
     for res in (v["fp16"] for v in variants):
         assert res["skipped"] and res["stepped"]
         assert res["scale"][1] == res["scale"][0] / 2
+
+
+def _adagrad(rank: int) -> dict[str, Any]:
+    """Adagrad builds state in its constructor, before ``setup`` shards the parameters it refers to."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=0.5)
+    ref_optimizer = torch.optim.Adagrad(reference.parameters(), lr=0.1, initial_accumulator_value=0.5)
+    acc = Accelerator(accelerator="cpu", strategy="fsdp", devices=2)
+    acc.launch()
+    model, optimizer = acc.setup(model, optimizer)
+    batches = [torch.randn(4, 6, generator=torch.Generator().manual_seed(step)) for step in range(3)]
+    for batch in batches:  # the same batch on both ranks: the mean gradient is the one-process one
+        acc.backward(model(batch).sum())
+        optimizer.step()
+        optimizer.zero_grad()
+        reference(batch).sum().backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return {"max_diff": max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())}
+
+
+def test_an_optimizer_with_constructor_state_trains_like_one_process_on_every_rank() -> None:
+    for result in run_distributed(_adagrad, 2, timeout=120):
+        assert result["max_diff"] < 1e-6, result
