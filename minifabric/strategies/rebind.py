@@ -79,15 +79,24 @@ def _state_for(optimizer: Optimizer, old: nn.Parameter, new: nn.Parameter) -> di
     but a scalar cannot be laid out like it and is refused, as is state on the meta device.
     """
     out = {}
+    name = type(optimizer).__name__
+    fix = (
+        " Create the optimizer after setup: `model = acc.setup(model)`, then"
+        f" `optimizer = acc.setup_optimizers({name}(model.parameters(), ...))`."
+    )
     for key, value in optimizer.state[old].items():
         if isinstance(value, torch.Tensor) and (value.dim() > 0 or value.is_meta):  # not a scalar step
             if value.is_meta or tuple(value.shape) != tuple(old.shape):
                 raise RuntimeError(
-                    f"{type(optimizer).__name__} holds state {key!r} of shape {tuple(value.shape)}"
+                    f"{name} holds state {key!r} of shape {tuple(value.shape)}"
                     f"{' on the meta device' if value.is_meta else ''} for a parameter of shape"
                     f" {tuple(old.shape)} that setup replaced, and it cannot be laid out like the new one."
-                    " Create the optimizer after setup: `model = acc.setup(model)`, then"
-                    " `optimizer = acc.setup_optimizers(torch.optim.Adagrad(model.parameters()))`."
+                    + fix
+                )
+            if value.is_floating_point() and new.is_floating_point() and value.dtype != new.dtype:
+                raise RuntimeError(
+                    f"{name} holds state {key!r} in {value.dtype} for a parameter that setup made"
+                    f" {new.dtype} (the precision setting), and the optimizer's step would mix them." + fix
                 )
             value = laid_out_like(value, new)
         out[key] = value

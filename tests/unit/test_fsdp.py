@@ -189,5 +189,20 @@ def test_an_optimizer_with_state_over_meta_parameters_is_refused_naming_the_fix(
     with acc.init_module(empty_init=True):
         model = nn.Linear(4, 4)
     optimizer = torch.optim.Adagrad(model.parameters())  # its 'sum' on the meta device
-    with pytest.raises(RuntimeError, match=r"state 'sum' of shape \(4, 4\) on the meta device.*after setup"):
+    with pytest.raises(
+        RuntimeError, match=r"state 'sum' of shape \(4, 4\) on the meta device.*Adagrad\(model"
+    ):
         acc.setup(model, optimizer)
+
+
+def test_optimizer_state_in_another_dtype_than_the_set_up_parameters_is_refused() -> None:
+    acc = Accelerator(accelerator="cpu", strategy="fsdp", devices=1, precision="bf16-true")
+    acc.launch()
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.Adagrad(model.parameters())  # float32 state; setup makes the weights bf16
+    params = list(model.parameters())
+    with pytest.raises(
+        RuntimeError, match=r"'sum' in torch.float32 for a parameter that setup made torch.bfloat16"
+    ):
+        acc.setup(model, optimizer)
+    assert list(optimizer.state) == params and optimizer.param_groups[0]["params"] == params  # nothing moved
