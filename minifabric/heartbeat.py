@@ -316,6 +316,21 @@ def post_fault(text: str) -> None:
         _heartbeat.post_fault(text)
 
 
+def let_local_peers_end(timeout: float) -> None:
+    """Wait, at most ``timeout`` seconds, until the other ranks on this host have ended.
+
+    Rank 0 of a local launch holds the run's store: a rank still posting to it when rank 0 exits
+    gets torch's connection-reset warning, with a C++ stack, on its stderr. Ranks on other hosts
+    are not waited for.
+    """
+    if _heartbeat is None:
+        return
+    pids = [pid for host, pid in _heartbeat.peers.values() if host == HOST and pid != os.getpid()]
+    deadline = time.monotonic() + timeout
+    while any(not _pid_ended(pid)[0] for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def culprit(wait: float = 0.0) -> str | None:
     """Which other rank ended the run, as far as this rank can tell within ``wait`` seconds (None if it cannot).
 

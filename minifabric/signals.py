@@ -166,6 +166,7 @@ def _interrupt_exit() -> None:
         where = _process.describe()
         rank = "" if _process.rank is None else f"{HOST}: rank {_process.rank} "
         write_stderr(f"[minifabric] {rank}interrupted{' ' + where if where else ''}\n")
+        heartbeat.let_local_peers_end(timeout=1.0)  # they post to the store this process may hold
     process.hard_exit(INTERRUPTED_EXIT_CODE)
 
 
