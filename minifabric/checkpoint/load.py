@@ -18,12 +18,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from minifabric._torch import load_pre_hooks_keep_nothing
+from minifabric._torch import laid_out_like, load_pre_hooks_keep_nothing
 from minifabric.checkpoint import rng, validate
 from minifabric.checkpoint.comm import Comm
 from minifabric.checkpoint.format import is_ref, is_stateful, ref_dtype
 from minifabric.checkpoint.read import Opened, Resolver, has_refs, open_checkpoint, read_entries
-from minifabric.checkpoint.tensors import equal, place
+from minifabric.checkpoint.tensors import equal
 
 
 def load(
@@ -190,7 +190,7 @@ def apply(
 def load_module(module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
     """Load a state dict into ``module``; full tensors are cut to this rank's shard where it is sharded."""
     live = module.state_dict()
-    module.load_state_dict({k: place(v, live.get(k)) for k, v in state_dict.items()}, strict=strict)
+    module.load_state_dict({k: laid_out_like(v, live.get(k)) for k, v in state_dict.items()}, strict=strict)
 
 
 def load_optimizer(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
@@ -207,7 +207,7 @@ def load_optimizer(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
             continue
         live = optimizer.state.get(params[index], {})
         state[index] = {
-            name: _into(place(value, params[index]), live.get(name)) for name, value in values.items()
+            name: _into(laid_out_like(value, params[index]), live.get(name)) for name, value in values.items()
         }
     optimizer.load_state_dict({**state_dict, "state": state})
 

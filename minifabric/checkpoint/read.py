@@ -20,11 +20,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
+from minifabric._torch import laid_out_like
 from minifabric.checkpoint import commit, fabric
 from minifabric.checkpoint.errors import CheckpointError
 from minifabric.checkpoint.format import FORMAT_KEY, SIDE_RECORD, TENSOR_REF, check_version, is_ref, safe_load
 from minifabric.checkpoint.reader import SafeReader
-from minifabric.checkpoint.tensors import empty_target, map_tree, place
+from minifabric.checkpoint.tensors import empty_target, map_tree
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ def read_entries(
             if isinstance(value, torch.Tensor):  # a one-file checkpoint: a view of the mapped file
                 if path not in views.get(name, ()):  # may be kept as given: into fresh memory
                     value = value.clone()
-                return place(value, resolve(path))
+                return laid_out_like(value, resolve(path))
             return value
 
         return map_tree(tree, leaf)

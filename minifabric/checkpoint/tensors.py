@@ -14,7 +14,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor import empty as dtensor_empty
 
-from minifabric._torch import laid_out_like as place  # noqa: F401  (the checkpoint stages' name for it)
 from minifabric.checkpoint.format import is_ref, make_ref, ref_dtype
 
 
