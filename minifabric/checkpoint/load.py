@@ -131,7 +131,11 @@ def _views(state: dict[str, Any], plan: validate.LoadPlan) -> dict[str, set[tupl
 
 
 def _same_layout(state: torch.Tensor, param: torch.Tensor) -> bool:
-    """Whether a state tensor is laid out like its parameter (a saved value is placed like the parameter)."""
+    """Whether ``state`` is laid out like ``param``: both plain, or DTensors of one mesh and placements.
+
+    A saved value is placed like its parameter, and :func:`_into` copies it only into a live tensor
+    of the same layout.
+    """
     if isinstance(state, DTensor) != isinstance(param, DTensor):
         return False
     if isinstance(state, DTensor) and isinstance(param, DTensor):
@@ -216,11 +220,8 @@ def _into(value: Any, live: Any) -> Any:
     """``live`` with ``value`` copied into it when both are tensors of one layout; else ``value``."""
     if not isinstance(value, torch.Tensor) or not isinstance(live, torch.Tensor) or value is live:
         return value
-    if isinstance(value, DTensor) != isinstance(live, DTensor):
+    if not _same_layout(live, value):
         return value
-    if isinstance(live, DTensor) and isinstance(value, DTensor):
-        if live.placements != value.placements or live.device_mesh != value.device_mesh:
-            return value
     source = value.to_local() if isinstance(value, DTensor) else value
     target = live.to_local() if isinstance(live, DTensor) else live
     if source.shape != target.shape or source.dtype != target.dtype or source.device != target.device:
