@@ -175,7 +175,9 @@ def read_tensors(path: Path, targets: dict[str, Any], views: Collection[str] = (
             warnings.filterwarnings(
                 "ignore", message=".*assuming the intent is to load in a single process.*"
             )
-            dcp.load(targets, storage_reader=SafeReader(path, views), planner=planner, no_dist=True)
+            reader = SafeReader(path, views)
+            reader.read_metadata()  # its refusal raised here: some torch versions swallow it inside load
+            dcp.load(targets, storage_reader=reader, planner=planner, no_dist=True)
     except BaseException as err:  # DCP's CheckpointException derives from BaseException
         if isinstance(err, KeyboardInterrupt):
             raise

@@ -161,8 +161,17 @@ class SafeReader(FileSystemReader):
     def __init__(self, path: str | os.PathLike, views: Collection[str] = ()) -> None:
         super().__init__(path)
         self._views = frozenset(views)
+        self._metadata: Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        """The checkpoint's ``.metadata``, unpickled with only DCP's metadata classes (read once, then kept)."""
+        if self._metadata is None:
+            self._metadata = self._read_metadata()
+        if self._metadata.storage_meta is not None:
+            self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+    def _read_metadata(self) -> Metadata:
         path = Path(self.path) / ".metadata"
         try:
             with open(path, "rb") as f:
@@ -173,8 +182,6 @@ class SafeReader(FileSystemReader):
             raise CheckpointError(
                 f"{str(path)!r} is not valid checkpoint metadata: it holds {type(metadata).__name__}."
             )
-        if metadata.storage_meta is not None:
-            metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

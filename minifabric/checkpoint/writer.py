@@ -28,7 +28,10 @@ class ShardWriter(FileSystemWriter):
     """DCP's file writer, one file per rank, tensor archives without CRC32 (see the module docstring)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
-        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+        # The options this writer relies on are given explicitly, so a changed default in a later torch
+        # changes nothing here. ``overwrite=False``: ``path`` is a staging folder made new for this
+        # save; a ``.metadata`` already in it would mean two saves share it, and is refused.
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write every item of ``plan`` into this rank's shard file; return where each one lies."""

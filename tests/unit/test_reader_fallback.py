@@ -57,6 +57,18 @@ def test_records_the_parser_does_not_recognise_are_read_by_torch_load(tmp_path: 
 def test_an_older_torch_than_the_tested_range_is_refused_at_import() -> None:
     from minifabric._torch import check_torch_version
 
-    check_torch_version("2.13.0+cpu")
-    with pytest.raises(ImportError, match=r"needs torch>=2.13 .*found torch==2.6.0"):
-        check_torch_version("2.6.0")
+    for inside in ("2.11.0", "2.13.0+cpu", "2.15.0", "2.16.0.dev20261201"):
+        check_torch_version(inside)
+    with pytest.raises(ImportError, match=r"supports torch 2\.11 to 2\.15 .*found torch==2\.10\.0"):
+        check_torch_version("2.10.0")
+
+
+def test_the_package_admits_exactly_the_tested_range() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    from minifabric._torch.versions import MAX_TORCH_VERSION, MIN_TORCH_VERSION
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    (torch_requirement,) = [dep for dep in project["dependencies"] if dep.startswith("torch")]
+    low, high = MIN_TORCH_VERSION, (MAX_TORCH_VERSION[0], MAX_TORCH_VERSION[1] + 1)
+    assert torch_requirement == f"torch>={low[0]}.{low[1]},<{high[0]}.{high[1]}"
