@@ -184,6 +184,8 @@ class FSDPStrategy(Strategy):
                 group_size=self.world_size,
                 store_address=(self.environment.main_address, self.environment.main_port),
             )
+            # the gradient scaler's scale shapes every update: a rejoining group takes the live one's
+            self.replica_group.register("minifabric.precision", self.precision)
 
     def teardown(self) -> None:
         if self.replica_group is not None:
@@ -317,6 +319,11 @@ class FSDPStrategy(Strategy):
         """With replica groups, a group that heals also takes the live group's position in the data."""
         if self.replica_group is not None:
             self.replica_group.watch_dataloader(dataloader)
+
+    def setup_scheduler(self, scheduler: Any) -> None:
+        """With replica groups, a group that heals also takes the live group's scheduler state."""
+        if self.replica_group is not None:
+            self.replica_group.watch_scheduler(scheduler)
 
     def forward_context(self) -> ContextManager:
         if self.replica_group is not None:
