@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.optim import Optimizer
 
+from minifabric._torch import forget_unscale
 from minifabric.environment import DEFAULT_TIMEOUT
 from minifabric.init import keeping_init_records
 from minifabric.strategies.compile import (
@@ -348,6 +349,9 @@ class FSDPStrategy(Strategy):
         """
         if self.replica_group is None or self.replica_group.commit():
             return super().optimizer_step(optimizer, **kwargs)
+        scaler = getattr(self.precision, "scaler", None)
+        if scaler is not None:  # a clip may have unscaled the dropped step's gradients
+            forget_unscale(scaler, optimizer)
         return None
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:

@@ -2,9 +2,11 @@
 
 The strategy drives one step as torchft expects, without changing the user's loop:
 
-1. before the step's first forward through the set-up model, :meth:`ReplicaGroup.begin_step` asks the
-   lighthouse which groups take part (the *quorum*) and, if this group is behind (it was restarted),
-   copies the state of a live group into this one before anything runs;
+1. before a loader set up by the Accelerator draws the step's batch (else before the step's first
+   forward through the set-up model), :meth:`ReplicaGroup.begin_step` asks the lighthouse which
+   groups take part (the *quorum*) and, if this group is behind (it was restarted), copies the state
+   of a live group into this one before anything runs; with ``min_replica_groups`` it asks again
+   until that many groups take part;
 2. in backward, each sharding unit's reduce-scattered gradient (one flat buffer per unit, FSDP2's
    own bucket) is averaged with the same shard of the other live groups (FSDP2's all-reduce hook,
    over torchft's reconfigurable gloo group). The all-reduce is started and not waited for: it runs
@@ -15,15 +17,17 @@ The strategy drives one step as torchft expects, without changing the user's loo
    unit's all-reduce is waited for at once instead;
 3. ``optimizer.step()`` calls :meth:`ReplicaGroup.commit`: the ranks of this group agree whether
    the step went through everywhere (no collective failed, enough groups took part); only then does
-   the optimizer step. A step that failed is dropped by every rank of the group.
+   the optimizer step. A step that failed is dropped by every rank of the group (the loss scale of
+   ``"16-mixed"`` stays as it was).
 
 By default the quorum is synchronous (torchft's ``use_async_quorum=False``): a group that heals does
 so before its forward and then contributes a real gradient to that same step, so training equals a
 run without the failure from that step on. With ``FaultTolerance(overlap_quorum=True)`` the quorum
 is torchft's asynchronous one: asked for in :meth:`ReplicaGroup.begin_step` and waited for by the
 first cross-group all-reduce in backward, so the lighthouse round trip runs under the forward. A
-group that is behind then heals before the commit and contributes a zero gradient to that step
-(torchft counts only the groups at the latest step). The first step of a process is the
+group that is behind then heals when its backward ends (before a clip or the optimizer reads the
+gradients) and contributes a zero gradient to that step (torchft counts only the groups at the
+latest step). The first step of a process is the
 exception: its quorum is waited for and a heal applied before the forward, as in the synchronous
 mode, because at step 0 torchft would count the group that copies the initial weights as taking
 part and halve the gradients; at a rejoin the group still counts as not taking part.
@@ -137,9 +141,21 @@ class ReplicaGroup:
         )
 
     def watch_scheduler(self, scheduler: Any) -> None:
-        """Heal ``scheduler``'s state too (the one given to ``acc.setup(..., scheduler=)``)."""
+        """Heal ``scheduler``'s state too (the one given to ``acc.setup(..., scheduler=)``).
+
+        Raises:
+            TypeError: ``scheduler`` has no ``state_dict()``/``load_state_dict()``.
+        """
         count = sum(k.startswith("minifabric.scheduler") for k in self._objects)
-        self.register(f"minifabric.scheduler{count}", scheduler)
+        try:
+            self.register(f"minifabric.scheduler{count}", scheduler)
+        except TypeError as err:
+            raise TypeError(
+                f"The scheduler given to `acc.setup(..., scheduler=)` ({type(scheduler).__name__}) has no"
+                " state_dict()/load_state_dict(), so a replica group that rejoins could not copy it and"
+                " would step with another learning rate. Pass a torch LR scheduler, or give yours"
+                " state_dict() and load_state_dict()."
+            ) from err
 
     def register(self, name: str, obj: Any) -> None:
         """Also heal ``obj`` (anything with ``state_dict()``/``load_state_dict()``, e.g. an LR scheduler).
@@ -193,9 +209,7 @@ class ReplicaGroup:
         waits = manager.current_step() == 0 or self.settings.min_replica_groups > 1
         if self.settings.overlap_quorum and waits:
             manager.wait_quorum()
-            if manager._healing:  # what torchft's synchronous quorum does at this point
-                manager._apply_pending_state_dict()
-                manager._healing = False
+            self._heal_now()
 
     def _wait_for_enough_groups(self) -> None:
         """Ask for the quorum again until ``min_replica_groups`` groups take part in it.
@@ -257,19 +271,31 @@ class ReplicaGroup:
 
         # A failure (a group died mid-step) is recorded by the manager and makes `commit` False.
         work = self._manager.allreduce(shard, reduce_op=ReduceOp.AVG)
-        if not _gradients_view(shard, params):
-            work.wait()  # FSDP reads `shard` right after this hook returns
-            return
-        if not at_backward_end(self._finish_all_reduces):  # the first one run waits for all
-            work.wait()  # not inside an autograd backward pass: nothing would wait for it later
+        in_backward = at_backward_end(self._finish_all_reduces)  # the first one run waits for all
+        if not in_backward or not _gradients_view(shard, params):
+            # FSDP reads `shard` right after this hook returns, or (outside an autograd backward
+            # pass) nothing would wait for it later
+            work.wait()
             return
         self._pending.append(work)
 
     def _finish_all_reduces(self) -> None:
-        """Wait for this backward's cross-group all-reduces (each divides by the participants)."""
+        """Wait for this backward's cross-group all-reduces (each divides by the participants).
+
+        Then apply a heal still pending: with ``overlap_quorum`` torchft would apply the state of a
+        group that was behind in ``should_commit``, after a clip had unscaled the gradients with
+        this group's old loss scale. When backward ends, nothing has read them yet.
+        """
         pending, self._pending = self._pending, []
         for work in pending:
             work.wait()
+        self._heal_now()
+
+    def _heal_now(self) -> None:
+        manager = self._manager
+        if manager._healing:  # what torchft's synchronous quorum does (else should_commit would)
+            manager._apply_pending_state_dict()
+            manager._healing = False
 
     # ---- what the loop reads -----------------------------------------------------------------
 

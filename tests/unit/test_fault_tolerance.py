@@ -90,6 +90,10 @@ class _Manager:
 
     def __init__(self) -> None:
         self.log: list[str] = []
+        self._healing = False  # a live group's state is waiting to be applied (overlap_quorum)
+
+    def _apply_pending_state_dict(self) -> None:
+        self.log.append("heal")
 
     def allreduce(self, tensor, reduce_op):
         name = f"ar{sum(entry.startswith('start') for entry in self.log)}"
@@ -149,6 +153,31 @@ def test_cross_group_all_reduces_overlap_backward_and_are_all_waited_for_before_
     assert group._manager.log[-2:] == ["start ar4", "wait ar4"]
 
 
+def test_a_heal_still_pending_when_backward_ends_is_applied_before_backward_returns():
+    """overlap_quorum: a group that was behind takes the live state before a clip unscales."""
+    import torch
+
+    group = _group_in_step()
+    group._manager._healing = True  # the quorum said: heal (torchft would wait for should_commit)
+    x = torch.ones(3, requires_grad=True)
+    y = x * 2
+    for dtype in (torch.float16, torch.float32):  # one unit waited for at once, one deferred
+        y.register_hook(
+            lambda grad, dtype=dtype: group._average_across_groups([], torch.zeros(2, dtype=dtype))
+        )
+    y.sum().backward()
+    group._manager.log.append("backward returned")
+    assert group._manager.log == [
+        "start ar0",
+        "wait ar0",
+        "start ar1",
+        "wait ar1",
+        "heal",
+        "backward returned",
+    ]
+    assert group._manager._healing is False
+
+
 class _QuorumManager:
     """Stands in for torchft's Manager in one process: quorums (each may heal), one group's steps."""
 
@@ -159,6 +188,7 @@ class _QuorumManager:
         self.group = None
         self.step = 0
         self.live = 0
+        self.commits: list[bool] = []  # what should_commit answers, step by step (then True)
         self._healing = False
 
     def start_quorum(self) -> None:
@@ -188,8 +218,9 @@ class _QuorumManager:
         return Work()
 
     def should_commit(self) -> bool:
-        self.step += 1
-        return True
+        commit = self.commits.pop(0) if self.commits else True
+        self.step += commit
+        return commit
 
     def shutdown(self, wait: bool) -> None:
         pass
@@ -273,17 +304,23 @@ def test_too_few_groups_for_quorum_timeout_raises_naming_the_settings(acc, quoru
     assert not any(entry.startswith("read") for entry in quorum_manager.log)
 
 
-def test_the_scaler_and_a_scheduler_given_to_setup_are_healed(quorum_manager):
-    import torch
-
-    from minifabric.strategies.heal_state import module_state
-
+def _16_mixed_replica_group():
+    """A launched one-process Accelerator: FSDP, "16-mixed", replica group 1 of 2 (on the stand-in manager)."""
     ft = FaultTolerance(replica_group_id=1, num_replica_groups=2)
     with pytest.warns(UserWarning, match="16-mixed"):  # float16 autocast on CPU: slow, but it runs
         acc = Accelerator(
             accelerator="cpu", strategy=FSDPStrategy(fault_tolerance=ft), devices=1, precision="16-mixed"
         )
     acc.launch()
+    return acc
+
+
+def test_the_scaler_and_a_scheduler_given_to_setup_are_healed(quorum_manager):
+    import torch
+
+    from minifabric.strategies.heal_state import module_state
+
+    acc = _16_mixed_replica_group()
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
@@ -299,3 +336,39 @@ def test_the_scaler_and_a_scheduler_given_to_setup_are_healed(quorum_manager):
     acc.backward(loss)
     optimizer.step()
     assert quorum_manager.step == 1
+
+
+def test_a_scheduler_given_to_setup_that_cannot_be_copied_is_refused(quorum_manager):
+    import torch
+
+    class Warmup:  # steps a learning rate, but has no state_dict()
+        pass
+
+    acc = _16_mixed_replica_group()
+    model = torch.nn.Linear(4, 1)
+    with pytest.raises(TypeError, match=r"scheduler=\)` \(Warmup\) has no state_dict"):
+        acc.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler=Warmup())
+
+
+def test_a_dropped_step_after_a_clip_keeps_the_scale_and_the_next_step_clips_again(quorum_manager):
+    import torch
+
+    acc = _16_mixed_replica_group()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    model, optimizer = acc.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    quorum_manager.commits = [False]  # the first step fails (a group died during it), then they commit
+    weights = [[p.detach().clone() for p in model.parameters()]]
+    for _ in range(2):
+        acc.backward(model(torch.ones(2, 4)).mean() * 0.01)  # scaled, it stays finite in float16
+        acc.clip_gradients(model, optimizer, max_norm=1.0)  # unscales this step's gradients
+        optimizer.step()
+        optimizer.zero_grad()
+        weights.append([p.detach().clone() for p in model.parameters()])
+        assert acc.precision.scaler.get_scale() == 65536.0  # the dropped step did not move it
+    assert quorum_manager.step == 1
+    assert all(
+        torch.equal(a, b) for a, b in zip(weights[0], weights[1], strict=True)
+    )  # dropped: nothing changed
+    assert not any(
+        torch.equal(a, b) for a, b in zip(weights[1], weights[2], strict=True)
+    )  # committed: stepped
