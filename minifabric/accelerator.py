@@ -293,6 +293,7 @@ class Accelerator:
         self.call("on_after_setup", fabric=self, module=model)  # Fabric's hook, after setup(model, opt)
         if scheduler is not None:
             _arguments.point_scheduler_at(scheduler, wrapped[0])
+            self._strategy.setup_scheduler(scheduler)
             return (model, *wrapped, scheduler)
         return (model, *wrapped)
 

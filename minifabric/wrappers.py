@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 #: methods that run through the strategy like ``forward`` without being marked (as in Fabric)
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+_END = object()  # what `next` returns when a pass has no batch left
 
 
 class _WrappedModule(nn.Module):
@@ -318,6 +319,15 @@ class _WrappedDataLoader:
         self._follow = False  # loaded during a pass: the pass goes on from the loaded position
         self._generator_state: torch.Tensor | None = None
         self._iterated = False  # an iterator was created (persistent workers keep theirs)
+        self._before_batch: list[Callable[[], None]] = []
+
+    def call_before_each_batch(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` before every batch is drawn (and before the end of a pass is found).
+
+        A hook may load a position into this loader (``load_state_dict``): the running pass then
+        draws its next batch from there.
+        """
+        self._before_batch.append(hook)
 
     @property
     def dataloader(self) -> DataLoader:
@@ -370,7 +380,15 @@ class _WrappedDataLoader:
             self._generator_state = generator.get_state()
         batch_size = self._dataloader.batch_size or 1
         self._samples_seen, self._in_epoch = 0, True
-        for batch in self._dataloader:
+        batches = iter(self._dataloader)
+        while True:
+            for hook in self._before_batch:
+                hook()
+            if self._follow:  # a hook loaded a position: draw from there instead
+                return True
+            batch = next(batches, _END)
+            if batch is _END:
+                break
             self._samples_seen += batch_size
             yield move_data_to_device(batch, self._device) if self._device is not None else batch
             if self._follow:

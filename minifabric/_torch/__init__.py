@@ -52,6 +52,7 @@ from minifabric._torch.serialization import dcp_storage_info, save_without_crc32
 from minifabric._torch.switches import (
     TUNE_MALLOC_VAR,
     default_dtype,
+    forget_unscale,
     hold_state_changes,
     intra_op_threads,
     register_global_step_pre_hook,
@@ -73,6 +74,7 @@ __all__ = [
     "default_store",
     "fake_tensor_mode",
     "fake_world",
+    "forget_unscale",
     "fsdp_policy",
     "hold_state_changes",
     "intra_op_threads",

@@ -127,3 +127,14 @@ def track_scheduler_steps(scheduler: Any, optimizer: Any) -> Callable[[], None]:
             del optimizer.step
 
     return undo
+
+
+def forget_unscale(scaler: torch.amp.GradScaler, optimizer: Any) -> None:
+    """Forget that ``scaler`` unscaled ``optimizer``'s gradients in a step that was dropped.
+
+    Why: ``GradScaler`` records per optimizer, in the private ``_per_optimizer_states``, that
+    ``unscale_`` ran (a clip does it) and refuses a second ``unscale_`` until ``update()``. A step
+    that a replica group drops calls neither ``step`` nor ``update`` (which would also move the
+    scale), so without this the next step's clip would raise. The scale is left as it is.
+    """
+    scaler._per_optimizer_states.pop(id(optimizer), None)

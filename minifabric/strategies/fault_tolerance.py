@@ -39,12 +39,14 @@ class FaultTolerance:
         lighthouse: the lighthouse's address, e.g. ``"http://host:29510"``. Default: the
             ``TORCHFT_LIGHTHOUSE`` environment variable.
         min_replica_groups: a step is committed only when at least this many groups took part
-            (default 1: training goes on as long as one group lives). With
-            ``min_replica_groups=num_replica_groups`` the live groups wait, without stepping, until
-            the missing group is back.
+            (default 1: training goes on as long as one group lives). While fewer take part, the
+            live groups wait before the next batch is drawn (no forward, no dropped step), at
+            most ``quorum_timeout``, then raise ``RuntimeError``; with
+            ``min_replica_groups=num_replica_groups`` they wait until the missing group is back.
         timeout: how long a collective between groups, the copy of the state to a group that
             rejoins, or the agreement to commit may take (``timedelta`` or seconds).
-        quorum_timeout: how long a step waits for the lighthouse to decide which groups take part.
+        quorum_timeout: how long a step waits for the lighthouse to decide which groups take part,
+            and how long it waits for ``min_replica_groups`` of them.
         overlap_quorum: ask the lighthouse while the forward runs (torchft's asynchronous quorum)
             instead of before it, hiding its round trip. The cost: a group that rejoins copies a
             live group's state at its first step but its gradient of that step is not used (the

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.optim import Optimizer
 
+from minifabric._torch import forget_unscale
 from minifabric.environment import DEFAULT_TIMEOUT
 from minifabric.init import keeping_init_records
 from minifabric.strategies.compile import (
@@ -184,6 +185,8 @@ class FSDPStrategy(Strategy):
                 group_size=self.world_size,
                 store_address=(self.environment.main_address, self.environment.main_port),
             )
+            # the gradient scaler's scale shapes every update: a rejoining group takes the live one's
+            self.replica_group.register("minifabric.precision", self.precision)
 
     def teardown(self) -> None:
         if self.replica_group is not None:
@@ -318,6 +321,11 @@ class FSDPStrategy(Strategy):
         if self.replica_group is not None:
             self.replica_group.watch_dataloader(dataloader)
 
+    def setup_scheduler(self, scheduler: Any) -> None:
+        """With replica groups, a group that heals also takes the live group's scheduler state."""
+        if self.replica_group is not None:
+            self.replica_group.watch_scheduler(scheduler)
+
     def forward_context(self) -> ContextManager:
         if self.replica_group is not None:
             self.replica_group.begin_step()  # before FSDP gathers anything: a heal writes the shards
@@ -341,6 +349,9 @@ class FSDPStrategy(Strategy):
         """
         if self.replica_group is None or self.replica_group.commit():
             return super().optimizer_step(optimizer, **kwargs)
+        scaler = getattr(self.precision, "scaler", None)
+        if scaler is not None:  # a clip may have unscaled the dropped step's gradients
+            forget_unscale(scaler, optimizer)
         return None
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:

@@ -2,9 +2,11 @@
 
 The strategy drives one step as torchft expects, without changing the user's loop:
 
-1. before the step's first forward through the set-up model, :meth:`ReplicaGroup.begin_step` asks the
-   lighthouse which groups take part (the *quorum*) and, if this group is behind (it was restarted),
-   copies the state of a live group into this one before anything runs;
+1. before a loader set up by the Accelerator draws the step's batch (else before the step's first
+   forward through the set-up model), :meth:`ReplicaGroup.begin_step` asks the lighthouse which
+   groups take part (the *quorum*) and, if this group is behind (it was restarted), copies the state
+   of a live group into this one before anything runs; with ``min_replica_groups`` it asks again
+   until that many groups take part;
 2. in backward, each sharding unit's reduce-scattered gradient (one flat buffer per unit, FSDP2's
    own bucket) is averaged with the same shard of the other live groups (FSDP2's all-reduce hook,
    over torchft's reconfigurable gloo group). The all-reduce is started and not waited for: it runs
@@ -15,15 +17,17 @@ The strategy drives one step as torchft expects, without changing the user's loo
    unit's all-reduce is waited for at once instead;
 3. ``optimizer.step()`` calls :meth:`ReplicaGroup.commit`: the ranks of this group agree whether
    the step went through everywhere (no collective failed, enough groups took part); only then does
-   the optimizer step. A step that failed is dropped by every rank of the group.
+   the optimizer step. A step that failed is dropped by every rank of the group (the loss scale of
+   ``"16-mixed"`` stays as it was).
 
 By default the quorum is synchronous (torchft's ``use_async_quorum=False``): a group that heals does
 so before its forward and then contributes a real gradient to that same step, so training equals a
 run without the failure from that step on. With ``FaultTolerance(overlap_quorum=True)`` the quorum
 is torchft's asynchronous one: asked for in :meth:`ReplicaGroup.begin_step` and waited for by the
 first cross-group all-reduce in backward, so the lighthouse round trip runs under the forward. A
-group that is behind then heals before the commit and contributes a zero gradient to that step
-(torchft counts only the groups at the latest step). The first step of a process is the
+group that is behind then heals when its backward ends (before a clip or the optimizer reads the
+gradients) and contributes a zero gradient to that step (torchft counts only the groups at the
+latest step). The first step of a process is the
 exception: its quorum is waited for and a heal applied before the forward, as in the synchronous
 mode, because at step 0 torchft would count the group that copies the initial weights as taking
 part and halve the gradients; at a rejoin the group still counts as not taking part.
@@ -31,6 +35,8 @@ part and halve the gradients; at a rejoin the group still counts as not taking p
 
 from __future__ import annotations
 
+import logging
+import time
 from functools import partial
 from typing import Any
 
@@ -47,6 +53,8 @@ from minifabric.strategies.heal_state import (
     module_state,
     optimizer_state,
 )
+
+log = logging.getLogger(__name__)
 
 #: torchft's Rust core logs every quorum at INFO (several lines a step) unless RUST_LOG says otherwise
 _RUST_LOG_VAR = "RUST_LOG"
@@ -108,13 +116,21 @@ class ReplicaGroup:
         self._optimizers.append(optimizer)
 
     def watch_dataloader(self, dataloader: Any) -> None:
-        """Heal ``dataloader``'s position too (every loader ``acc.setup_dataloaders`` returns).
+        """Start each step before ``dataloader`` draws its batch, and heal its position too.
 
-        A group that rejoins then reads on from where the live groups are in the epoch (its part of
-        it): the loop's running pass jumps there at its next batch. A loader whose position cannot be
-        saved (over an ``IterableDataset``) is left out: such a group starts its data where its
-        script starts it.
+        Every loader ``acc.setup_dataloaders`` returns is watched. Drawing a batch joins the step's
+        quorum first (:meth:`begin_step`), so a group that rejoins heals before it draws, and then
+        reads on from where the live groups are in the epoch (its part of it); with
+        ``min_replica_groups`` a group that waits for the others has drawn nothing yet. With
+        ``overlap_quorum=True`` (and ``min_replica_groups=1``) the step starts at the forward
+        instead, so the quorum runs while the live groups draw and compute: the batch a rejoining
+        group draws before it heals is not used (its gradient of that step does not count), and
+        the position it takes is the live groups' after their batch. A loader whose position cannot
+        be saved (over an ``IterableDataset``) is not healed: such a group reads its data from
+        where its script starts it.
         """
+        if not self.settings.overlap_quorum or self.settings.min_replica_groups > 1:
+            dataloader.call_before_each_batch(self.begin_step)
         try:
             dataloader.state_dict()
         except (TypeError, ValueError, RuntimeError):
@@ -123,6 +139,23 @@ class ReplicaGroup:
             f"minifabric.dataloader{sum(k.startswith('minifabric.dataloader') for k in self._objects)}",
             dataloader,
         )
+
+    def watch_scheduler(self, scheduler: Any) -> None:
+        """Heal ``scheduler``'s state too (the one given to ``acc.setup(..., scheduler=)``).
+
+        Raises:
+            TypeError: ``scheduler`` has no ``state_dict()``/``load_state_dict()``.
+        """
+        count = sum(k.startswith("minifabric.scheduler") for k in self._objects)
+        try:
+            self.register(f"minifabric.scheduler{count}", scheduler)
+        except TypeError as err:
+            raise TypeError(
+                f"The scheduler given to `acc.setup(..., scheduler=)` ({type(scheduler).__name__}) has no"
+                " state_dict()/load_state_dict(), so a replica group that rejoins could not copy it and"
+                " would step with another learning rate. Pass a torch LR scheduler, or give yours"
+                " state_dict() and load_state_dict()."
+            ) from err
 
     def register(self, name: str, obj: Any) -> None:
         """Also heal ``obj`` (anything with ``state_dict()``/``load_state_dict()``, e.g. an LR scheduler).
@@ -147,21 +180,66 @@ class ReplicaGroup:
     # ---- the step ----------------------------------------------------------------------------
 
     def begin_step(self) -> None:
-        """Join this step's quorum (once per step); heal first if this group is behind."""
+        """Join this step's quorum (once per step); heal first if this group is behind.
+
+        Called before a watched loader draws the step's batch, else before the first forward. With
+        ``min_replica_groups`` above 1 it returns only once that many groups take part, asking
+        again until then (nothing is drawn or computed meanwhile).
+
+        Raises:
+            RuntimeError: fewer than ``min_replica_groups`` groups took part for ``quorum_timeout``.
+        """
         if self._in_step:
             return
         self._decision = None
         # what a live group sends to one that heals: the sharded tensors, taken here while FSDP has
         # them in the module (during the forward it swaps in the unsharded ones); read in place
         self._module_views = [module_state(m) for m in self._modules]
+        self._join_quorum()
+        if self.settings.min_replica_groups > 1:
+            self._wait_for_enough_groups()
+        self._in_step = self._quorum_made = True
+
+    def _join_quorum(self) -> None:
         manager = self._manager
         manager.start_quorum()
-        if self.settings.overlap_quorum and manager.current_step() == 0:
-            manager.wait_quorum()  # the first step: heal before the forward (see the module docstring)
-            if manager._healing:  # what torchft's synchronous quorum does at this point
-                manager._apply_pending_state_dict()
-                manager._healing = False
-        self._in_step = self._quorum_made = True
+        # The first step heals before the forward (see the module docstring). So does every step
+        # that waits for `min_replica_groups`: it waits for the quorum anyway, and asking again
+        # would drop a heal that is still pending.
+        waits = manager.current_step() == 0 or self.settings.min_replica_groups > 1
+        if self.settings.overlap_quorum and waits:
+            manager.wait_quorum()
+            self._heal_now()
+
+    def _wait_for_enough_groups(self) -> None:
+        """Ask for the quorum again until ``min_replica_groups`` groups take part in it.
+
+        torchft itself would run the step with fewer groups and only refuse its commit, so the loop
+        would draw, compute and drop batch after batch while a group is missing.
+        """
+        needed, timeout = self.settings.min_replica_groups, self.settings.quorum_timeout
+        deadline, pause = time.monotonic() + timeout.total_seconds(), 0.05
+        while (live := self.num_participants) < needed:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"Replica group {self.settings.replica_group_id}: only {live} group(s) took part in"
+                    f" the quorum for quorum_timeout={timeout}, and min_replica_groups={needed}, so no"
+                    " step could commit. Start the missing groups, wait longer:"
+                    " `FaultTolerance(..., quorum_timeout=600)`, or commit with fewer:"
+                    f" `FaultTolerance(..., min_replica_groups={max(live, 1)})`."
+                )
+            if pause == 0.05 and self.group_rank == 0:
+                log.warning(
+                    "Replica group %d: %d group(s) take part and min_replica_groups=%d: waiting (at most"
+                    " %s) for the others before the next batch is drawn",
+                    self.settings.replica_group_id,
+                    live,
+                    needed,
+                    timeout,
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 1.0)
+            self._join_quorum()
 
     def commit(self) -> bool:
         """Whether this step may be applied: every rank of the group agrees (the only collective here).
@@ -193,19 +271,31 @@ class ReplicaGroup:
 
         # A failure (a group died mid-step) is recorded by the manager and makes `commit` False.
         work = self._manager.allreduce(shard, reduce_op=ReduceOp.AVG)
-        if not _gradients_view(shard, params):
-            work.wait()  # FSDP reads `shard` right after this hook returns
-            return
-        if not at_backward_end(self._finish_all_reduces):  # the first one run waits for all
-            work.wait()  # not inside an autograd backward pass: nothing would wait for it later
+        in_backward = at_backward_end(self._finish_all_reduces)  # the first one run waits for all
+        if not in_backward or not _gradients_view(shard, params):
+            # FSDP reads `shard` right after this hook returns, or (outside an autograd backward
+            # pass) nothing would wait for it later
+            work.wait()
             return
         self._pending.append(work)
 
     def _finish_all_reduces(self) -> None:
-        """Wait for this backward's cross-group all-reduces (each divides by the participants)."""
+        """Wait for this backward's cross-group all-reduces (each divides by the participants).
+
+        Then apply a heal still pending: with ``overlap_quorum`` torchft would apply the state of a
+        group that was behind in ``should_commit``, after a clip had unscaled the gradients with
+        this group's old loss scale. When backward ends, nothing has read them yet.
+        """
         pending, self._pending = self._pending, []
         for work in pending:
             work.wait()
+        self._heal_now()
+
+    def _heal_now(self) -> None:
+        manager = self._manager
+        if manager._healing:  # what torchft's synchronous quorum does (else should_commit would)
+            manager._apply_pending_state_dict()
+            manager._healing = False
 
     # ---- what the loop reads -----------------------------------------------------------------
 

@@ -276,6 +276,9 @@ class Strategy:
     def setup_dataloader(self, dataloader: Any) -> None:
         """Called with every loader ``setup_dataloaders`` returns (nothing to do here)."""
 
+    def setup_scheduler(self, scheduler: Any) -> None:
+        """Called with the LR scheduler given to ``setup(..., scheduler=)`` (nothing to do here)."""
+
     def forward_context(self) -> ContextManager:
         """The context the wrapped module's forward runs in."""
         return self.precision.forward_context()

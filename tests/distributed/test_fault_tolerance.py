@@ -193,40 +193,80 @@ def _replay(out: Path) -> dict[str, torch.Tensor]:
     return {name: t.detach() for name, t in model.state_dict().items()}
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("overlap", [False, True], ids=["quorum-before-forward", "overlap-quorum"])
-def test_killed_group_rejoins_heals_from_a_live_group_and_ends_equal(tmp_path: Path, overlap: bool) -> None:
+def _kill_and_restart(out: Path, *mode: str, waits_for: str | None = None) -> tuple[str, float]:
+    """Run both groups; kill group 1 at step ``KILL_AT`` and restart it, then let both finish.
+
+    By default group 0 holds at step ``HOLD_AT`` (it kept committing alone) until group 1 is back.
+    With ``waits_for`` group 0 cannot commit alone: group 1 is restarted once group 0 printed that
+    line (it is waiting). Returns the output and how long group 0 went on without group 1.
+    """
     os.environ["RUST_LOG"] = "error"  # read when torchft is first imported (restored after the test)
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(
         bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=3000
     )
-    job = Job(tmp_path, lighthouse.address())
-    mode = ["--overlap-quorum"] if overlap else []
+    job = Job(out, lighthouse.address())
+    hold = [] if waits_for else ["--hold-at", str(HOLD_AT)]
     try:
-        group0 = job.start(0, "--hold-at", str(HOLD_AT), *mode)
+        group0 = job.start(0, *hold, *mode)
         group1 = job.start(1, *mode)
         for tag in ("g0r0", "g0r1", "g1r0", "g1r1"):
             job.wait_for(rf"{tag} ready", timeout=240)
-        (tmp_path / "go").touch()
+        (out / "go").touch()
         job.wait_for(rf"g1r0 step {KILL_AT} ")
+        killed = job.mark()
         job.kill(group1)  # SIGKILL to the group's launcher and both ranks
         killed_at = time.monotonic()
-        job.wait_for(rf"g0r0 holding at step {HOLD_AT}")  # the live group kept committing alone
+        job.wait_for(waits_for or rf"g0r0 holding at step {HOLD_AT}", timeout=120, since=killed)
         survived = time.monotonic() - killed_at
         restart = job.mark()
         group1 = job.start(1, *mode)
         job.wait_for(r"g1r0 ready", timeout=240, since=restart)
         job.wait_for(r"g1r1 ready", timeout=240, since=restart)
-        (tmp_path / "release").touch()
+        (out / "release").touch()
         assert group0.wait(timeout=300) == 0, job.output()
         assert group1.wait(timeout=120) == 0, job.output()
     finally:
         job.stop_all()
         lighthouse.shutdown()
+    return job.output(), survived
 
-    output = job.output()
+
+def _check_rejoined(out: Path, output: str, overlap: bool = False) -> int:
+    """The restarted group healed from group 0 before its first batch; returns the step it healed at."""
+    for rank in range(2):
+        records = _records(out, 1, rank)
+        restarted = [r for r in records if any(h >= KILL_AT for h in r["healed_at"])]
+        healed_at = restarted[0]["healed_at"]
+        assert len(healed_at) == 1 and KILL_AT <= healed_at[0] < STEPS, output
+        assert restarted[0]["step"] == healed_at[0] and restarted[0]["committed"], output
+        # its gradient counts in that step (quorum before the forward) or from the next one (overlap)
+        assert restarted[0]["contributed"] is not overlap, output
+        assert restarted[0]["participants"] == (1 if overlap else 2), output
+        assert restarted[1]["contributed"] and restarted[1]["participants"] == 2, output
+        assert restarted[-1]["step"] == STEPS - 1, output
+        # and took group 0's position in the data before it drew its first batch: from its first
+        # step on each rank reads the batch beside group 0's (global rank 2 + r next to r: sample
+        # i + 2). With overlap_quorum it draws its first batch before it heals (its gradient of
+        # that step is not used) and reads beside group 0 from the next one.
+        live = {r["step"]: r["indices"] for r in _records(out, 0, rank) if r["committed"]}
+        for record in restarted[1:] if overlap else restarted:
+            assert record["indices"] == [i + 2 for i in live[record["step"]]], _story(out)
+    return healed_at[0]
+
+
+def _check_equal_weights(out: Path) -> None:
+    """Both groups hold bitwise equal weights (torchft's own check is only assert_close)."""
+    for rank in range(2):
+        a, b = torch.load(out / f"g0r{rank}.pt"), torch.load(out / f"g1r{rank}.pt")
+        assert all(torch.equal(a[k], b[k]) for k in a), (rank, _story(out))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("overlap", [False, True], ids=["quorum-before-forward", "overlap-quorum"])
+def test_killed_group_rejoins_heals_from_a_live_group_and_ends_equal(tmp_path: Path, overlap: bool) -> None:
+    output, survived = _kill_and_restart(tmp_path, *(["--overlap-quorum"] if overlap else []))
     records = {(g, r): _records(tmp_path, g, r) for g in range(2) for r in range(2)}
     # the data: before the kill the 4 ranks read 4 different parts of every step's samples
     first = [set(records[(g, r)][0]["indices"]) for g in range(2) for r in range(2)]
@@ -236,27 +276,8 @@ def test_killed_group_rejoins_heals_from_a_live_group_and_ends_equal(tmp_path: P
     alone = [r for r in records[(0, 0)] if r["committed"] and r["participants"] == 1]
     assert alone, output
     assert all(h == 0 for r in records[(0, 0)] + records[(0, 1)] for h in r["healed_at"]), output
-    # the restarted group healed from group 0 at the step group 0 was at, and committed from there;
-    # its gradient counts in that step (quorum before the forward) or from the next one (overlap)
-    for rank in range(2):
-        restarted = [r for r in records[(1, rank)] if any(h > KILL_AT for h in r["healed_at"])]
-        healed_at = restarted[0]["healed_at"]
-        assert len(healed_at) == 1 and KILL_AT < healed_at[0] < STEPS, output
-        assert restarted[0]["step"] == healed_at[0] and restarted[0]["committed"], output
-        assert restarted[0]["contributed"] is not overlap, output
-        assert restarted[0]["participants"] == (1 if overlap else 2), output
-        assert restarted[1]["contributed"] and restarted[1]["participants"] == 2, output
-        assert restarted[-1]["step"] == STEPS - 1, output
-        # and took group 0's position in the data with the rest of its state: from the next step on
-        # each rank reads the batch beside group 0's (global rank 2 + r next to rank r: sample i + 2)
-        live = {r["step"]: r["indices"] for r in records[(0, rank)] if r["committed"]}
-        for record in restarted[1:]:
-            assert record["indices"] == [i + 2 for i in live[record["step"]]], _story(tmp_path)
-    # both groups hold the same weights (torchft's own check is assert_close; they are bitwise equal)
-    for rank in range(2):
-        a, b = torch.load(tmp_path / f"g0r{rank}.pt"), torch.load(tmp_path / f"g1r{rank}.pt")
-        torch.testing.assert_close(a, b)
-        assert all(torch.equal(a[k], b[k]) for k in a)
+    healed_at = _check_rejoined(tmp_path, output, overlap)
+    _check_equal_weights(tmp_path)
     # and equal the run replayed in one process from which group's batches each step averaged
     expected = _replay(tmp_path)
     final = torch.load(tmp_path / "g0r0.pt")
@@ -267,4 +288,51 @@ def test_killed_group_rejoins_heals_from_a_live_group_and_ends_equal(tmp_path: P
     assert "g0r0 done at step 16 wrote_checkpoint=True" in output
     assert "g1r0 done at step 16 wrote_checkpoint=False" in output
     assert (tmp_path / "ckpt").is_dir()
-    print(f"the live group went on alone for {survived:.1f} s; healed at step {healed_at[0]}")
+    print(f"the live group went on alone for {survived:.1f} s; healed at step {healed_at}")
+
+
+@pytest.mark.timeout(600)
+def test_16_mixed_with_an_overflow_and_a_scheduler_heals_scale_and_schedule(tmp_path: Path) -> None:
+    """The rejoining group takes the live group's loss scale (halved by an overflow) and schedule."""
+    mode = ("--precision", "16-mixed", "--overflow-at", "2", "--scheduler")
+    output, _ = _kill_and_restart(tmp_path, *mode)
+    records = {(g, r): _records(tmp_path, g, r) for g in range(2) for r in range(2)}
+    # the overflow at step 2 skipped that update and halved the scale, on every rank of both groups
+    for key, rank_records in records.items():
+        by_step = {r["step"]: r for r in rank_records if r["committed"] and r["step"] <= KILL_AT}
+        assert by_step[1]["scale"] == 65536.0 and by_step[2]["scale"] == 32768.0, (key, output)
+    # at every committed step all ranks of both groups step with the same scale and learning rate
+    seen: dict[int, tuple] = {}
+    for key, rank_records in records.items():
+        for r in rank_records:
+            if r["committed"]:
+                state = (r["scale"], r["lr"], r["scheduler"])
+                assert seen.setdefault(r["step"], state) == state, (key, r["step"], _story(tmp_path))
+    _check_rejoined(tmp_path, output)
+    _check_equal_weights(tmp_path)
+
+
+@pytest.mark.timeout(600)
+def test_with_min_replica_groups_equal_to_all_the_live_group_waits_without_drawing(tmp_path: Path) -> None:
+    """``min_replica_groups=2``: while group 1 is dead, group 0 draws no batch and drops no step."""
+    waiting = r"Replica group 0: 1 group\(s\) take part and min_replica_groups=2: waiting"
+    output, _ = _kill_and_restart(tmp_path, "--min-groups", "2", "--quorum-timeout", "300", waits_for=waiting)
+    for rank in range(2):
+        lines = _lines(tmp_path, 0, rank)
+        attempts = [line for line in lines if "attempt" in line]
+        committed = [r for r in lines if r.get("committed")]
+        failed = [r for r in lines if r.get("committed") is False]
+        # every committed step averaged both groups; at most the step running at the kill failed,
+        # and no other batch was drawn: each attempt is a committed step or that one failed step
+        assert all(r["participants"] == 2 for r in committed), _story(tmp_path)
+        assert len(committed) == STEPS and len(failed) <= 1, _story(tmp_path)
+        assert len(attempts) == len(committed) + len(failed), _story(tmp_path)
+    _check_rejoined(tmp_path, output)
+    _check_equal_weights(tmp_path)
+    torch.testing.assert_close(
+        torch.load(tmp_path / "g0r0.pt"),
+        _replay(tmp_path),
+        rtol=1e-5,
+        atol=1e-6,
+        msg=lambda m: f"{m}\n{_story(tmp_path)}",
+    )

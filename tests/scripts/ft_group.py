@@ -8,6 +8,9 @@ attempt's samples before its backward, then whether it committed and how many gr
 full weights go to ``DIR/g{group}r{rank}.pt``, so a test can replay the run in one process.
 ``DIR/go`` must exist before the first step; with ``--hold-at S`` the group waits at step S until
 ``DIR/release`` exists (so a test can restart a group while this one is still training).
+``--precision 16-mixed --overflow-at S`` makes the gradients of step S overflow (the scaler skips it
+and halves its scale); ``--scheduler`` passes an LR scheduler to ``acc.setup``; each record then
+carries the scale and the learning rate.
 """
 
 from __future__ import annotations
@@ -65,6 +68,11 @@ def main() -> None:
     parser.add_argument("--hold-at", type=int, default=None)
     parser.add_argument("--pace", type=float, default=0.05)
     parser.add_argument("--overlap-quorum", action="store_true")
+    parser.add_argument("--min-groups", type=int, default=1)
+    parser.add_argument("--quorum-timeout", type=float, default=60)
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--overflow-at", type=int, default=None)
+    parser.add_argument("--scheduler", action="store_true")
     args = parser.parse_args()
 
     ft = FaultTolerance(
@@ -73,11 +81,21 @@ def main() -> None:
         lighthouse=args.lighthouse,
         timeout=30,
         overlap_quorum=args.overlap_quorum,
+        min_replica_groups=args.min_groups,
+        quorum_timeout=args.quorum_timeout,
     )
-    acc = Accelerator(accelerator="cpu", strategy=FSDPStrategy(fault_tolerance=ft), devices=2)
+    strategy = FSDPStrategy(fault_tolerance=ft)
+    acc = Accelerator(accelerator="cpu", strategy=strategy, devices=2, precision=args.precision)
     acc.launch()
     model = build_model()
-    model, optimizer = acc.setup(model, build_optimizer(model))
+    optimizer = build_optimizer(model)
+    scheduler = None
+    if args.scheduler:
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
+        model, optimizer, scheduler = acc.setup(model, optimizer, scheduler=scheduler)
+    else:
+        model, optimizer = acc.setup(model, optimizer)
+    scaler = getattr(acc.precision, "scaler", None)
     x_all, y_all = data()
     loader = acc.setup_dataloaders(DataLoader(TensorDataset(torch.arange(NUM_SAMPLES)), batch_size=2))
     group = acc.strategy.replica_group
@@ -96,6 +114,8 @@ def main() -> None:
                 print(f"{tag} holding at step {group.step}", flush=True)
                 wait_for(args.out / "release")
             loss = nn.functional.mse_loss(model(x_all[index]), y_all[index])
+            if args.overflow_at is not None and group.step == args.overflow_at:
+                loss = loss * 1e30  # scaled, its gradients overflow float16
             step = group.step  # read after the forward: a group that rejoins has healed by now
             # written before backward: if this group dies after its gradients reached the others,
             # a replay still knows which samples they came from
@@ -104,6 +124,8 @@ def main() -> None:
             acc.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
+            if scheduler is not None:
+                scheduler.step()
             record = {
                 "step": step,
                 "committed": group.step == step + 1,
@@ -111,6 +133,9 @@ def main() -> None:
                 "contributed": group.contributed,
                 "indices": index.tolist(),
                 "healed_at": group.healed_at,
+                "lr": optimizer.param_groups[0]["lr"],
+                "scheduler": scheduler.last_epoch if scheduler is not None else None,
+                "scale": scaler.get_scale() if scaler is not None else None,
             }
             log.write(json.dumps(record) + "\n")
             log.flush()
