@@ -52,7 +52,6 @@ from minifabric._torch.serialization import dcp_storage_info, save_without_crc32
 from minifabric._torch.switches import (
     TUNE_MALLOC_VAR,
     default_dtype,
-    hold_state_changes,
     intra_op_threads,
     register_global_step_pre_hook,
     return_freed_memory,
@@ -74,7 +73,6 @@ __all__ = [
     "fake_tensor_mode",
     "fake_world",
     "fsdp_policy",
-    "hold_state_changes",
     "intra_op_threads",
     "laid_out_like",
     "load_pre_hooks_keep_nothing",
