@@ -563,7 +563,12 @@ class Accelerator:
         if not isinstance(target, (nn.Module, Optimizer)):
             raise TypeError(f"`load_raw` loads into a module or optimizer, got {type(obj).__name__}.")
         self._checkpointer.load_raw(
-            Path(path), target, strict=strict, key_map=key_map, weights_only=weights_only
+            Path(path),
+            target,
+            strict=strict,
+            key_map=key_map,
+            weights_only=weights_only,
+            modules=self._ledger.modules(),
         )
 
     # ---- collectives and utilities -----------------------------------------------------------

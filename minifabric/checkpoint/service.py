@@ -188,9 +188,18 @@ class Checkpointer:
         )
 
     def load_raw(
-        self, path: Path, obj: Any, strict: bool = True, key_map: Any = None, weights_only: bool | None = None
+        self,
+        path: Path,
+        obj: Any,
+        strict: bool = True,
+        key_map: Any = None,
+        weights_only: bool | None = None,
+        modules: Sequence[nn.Module] = (),
     ) -> None:
-        """Load a plain state-dict file, a consolidated checkpoint or Hugging Face safetensors into ``obj``."""
+        """Load a plain state-dict file, a consolidated checkpoint or Hugging Face safetensors into ``obj``.
+
+        ``modules`` (the set-up models) name an optimizer's parameters, for state keyed by name.
+        """
         from minifabric.checkpoint import hf
 
         self.wait()
@@ -203,7 +212,7 @@ class Checkpointer:
             raise ValueError(
                 "key_map= applies to safetensors weights only; rename a state dict's keys yourself."
             )
-        raw.load_raw(path, obj, strict=strict, weights_only=weights_only is not False)
+        raw.load_raw(path, obj, strict=strict, weights_only=weights_only is not False, modules=modules)
 
     def export_safetensors(self, path: Path, module: nn.Module) -> None:
         """Write ``module``'s weights as Hugging Face safetensors at ``path`` (every rank calls, rank 0 writes)."""
