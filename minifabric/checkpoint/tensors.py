@@ -80,10 +80,20 @@ def gather_full(tree: Any, keep: bool) -> Any:
 
 
 def _copy_into(tensor: torch.Tensor, key: str, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
-    """A CPU copy of ``tensor``, written into the buffer kept under ``key`` when one of its kind exists."""
+    """A CPU copy of ``tensor``, written into the buffer kept under ``key`` when one of its kind exists.
+
+    The buffer of a CUDA tensor is page-locked: the device-to-host copy, which the caller waits
+    for, then runs several times faster than into pageable memory.
+    """
     buffer = buffers.get(key)
-    if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-        buffer = buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+    pinned = tensor.is_cuda
+    if (
+        buffer is None
+        or buffer.shape != tensor.shape
+        or buffer.dtype != tensor.dtype
+        or buffer.is_pinned() != pinned
+    ):
+        buffer = buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
     return buffer.copy_(tensor.detach())
 
 
