@@ -56,7 +56,7 @@ def _load_and_step(rank: int, root: str, how: str) -> dict:
         model.load_state_dict(_lazy_load(f"{root}/model.pt"), strict=True)
     else:
         model.load_state_dict(torch.load(f"{root}/model.pt", weights_only=True))
-    if how == "lazy":
+    if how in ("lazy", "load_state_dict"):
         optimizer.load_state_dict(torch.load(f"{root}/optimizer.pt", weights_only=True))
     elif how == "raw_named":
         acc.load_raw(f"{root}/optimizer_named.pt", optimizer)
@@ -68,7 +68,7 @@ def _load_and_step(rank: int, root: str, how: str) -> dict:
     return {"loaded": loaded, "stepped": snapshot(model, optimizer)}
 
 
-@pytest.mark.parametrize("how", ["lazy", "raw_named", "raw_indexed"])
+@pytest.mark.parametrize("how", ["lazy", "load_state_dict", "raw_named", "raw_indexed"])
 def test_full_state_loads_into_sharded_model_and_optimizer_like_one_process(tmp_path: Path, how: str) -> None:
     """Model: ``load_state_dict`` of lazily loaded or plain full tensors; optimizer: its
     ``load_state_dict`` of a one-process state dict, ``load_raw`` of torch's name-keyed full state or
@@ -77,3 +77,36 @@ def test_full_state_loads_into_sharded_model_and_optimizer_like_one_process(tmp_
     for rank, out in enumerate(run_ranks(_load_and_step, 2, str(tmp_path), how, timeout=150)):
         assert_same(out["loaded"], reference["loaded"], f"rank {rank} loaded")
         assert_same(out["stepped"], reference["stepped"], f"rank {rank} stepped")
+
+
+def _refused(rank: int, root: str) -> dict:
+    acc = accelerator(2)
+    torch.manual_seed(7)
+    model = Net()
+    model, optimizer = acc.setup(model, torch.optim.AdamW(model.parameters(), lr=0.05))
+    train(acc, model, optimizer, None, 1)
+    before = snapshot(model, optimizer)
+    errors = []
+    wrong = torch.load(f"{root}/model.pt", weights_only=True)
+    wrong["head.bias"] = torch.zeros(3)
+    optimizer_wrong = torch.load(f"{root}/optimizer.pt", weights_only=True)
+    optimizer_wrong["state"][5]["exp_avg"] = torch.zeros(4)  # head.bias has 2 elements
+    for attempt in (lambda: model.load_state_dict(wrong), lambda: optimizer.load_state_dict(optimizer_wrong)):
+        try:
+            attempt()
+            errors.append(None)
+        except ValueError as err:
+            errors.append(str(err))
+    return {"errors": errors, "unchanged": snapshot(model, optimizer), "before": before}
+
+
+def test_full_state_of_other_shapes_is_refused_on_every_rank_and_changes_nothing(tmp_path: Path) -> None:
+    _reference(tmp_path)
+    for rank, out in enumerate(run_ranks(_refused, 2, str(tmp_path), timeout=150)):
+        module_error, optimizer_error = out["errors"]
+        assert module_error is not None and "head.bias: state dict (3,), model (2,)" in module_error, rank
+        assert (
+            optimizer_error is not None
+            and "optimizer.state[5]['exp_avg'] has the shape (4,)" in optimizer_error
+        )
+        assert_same(out["unchanged"], out["before"], f"rank {rank}")
