@@ -563,8 +563,9 @@ class Accelerator:
         target = _arguments.unwrap_state({"obj": obj})["obj"]
         if not isinstance(target, (nn.Module, Optimizer)):
             raise TypeError(f"`load_raw` loads into a module or optimizer, got {type(obj).__name__}.")
+        modules = self._ledger.modules()  # they name an optimizer's parameters
         self._checkpointer.load_raw(
-            Path(path), target, strict=strict, key_map=key_map, weights_only=weights_only
+            Path(path), target, strict=strict, key_map=key_map, weights_only=weights_only, modules=modules
         )
 
     # ---- collectives and utilities -----------------------------------------------------------

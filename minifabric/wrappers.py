@@ -200,22 +200,16 @@ class _WrappedModule(nn.Module):
         """Load into the user's module; full (unsharded) tensors load into a sharded model too.
 
         Under FSDP the parameters are DTensors, and ``nn.Module.load_state_dict`` refuses plain
-        tensors for them. A state dict of full tensors (``torch.load`` of a file, what litgpt's
-        scripts load on every rank) is then loaded through torch's ``set_model_state_dict``: each
-        rank keeps its own part of every tensor (no communication).
+        tensors for them. Each full tensor (``torch.load`` of a file, litgpt's ``lazy_load``, read
+        on every rank) is cut to this rank's shard first, without communication; a shape that
+        differs from the model's raises ``ValueError`` before anything is loaded.
         """
-        from torch.distributed.tensor import DTensor
+        from minifabric.checkpoint.layout import module_state
 
         module = self._original_module
-        sharded = {name for name, p in module.state_dict(keep_vars=True).items() if isinstance(p, DTensor)}
-        if assign or not any(
-            name in sharded and not isinstance(value, DTensor) for name, value in state_dict.items()
-        ):
-            return module.load_state_dict(state_dict, strict=strict, assign=assign)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        options = StateDictOptions(full_state_dict=True, strict=strict)
-        return set_model_state_dict(module, dict(state_dict), options=options)  # it writes into the dict
+        return module.load_state_dict(
+            module_state(module, state_dict, assign=assign), strict=strict, assign=assign
+        )
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -295,7 +289,14 @@ class _WrappedOptimizer:
         return self._optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._optimizer.load_state_dict(state_dict)
+        """``Optimizer.load_state_dict``; full state of sharded parameters is cut to this rank's shard.
+
+        Saved parameters pair with the live ones by position, as in torch. State that cannot be laid
+        out like its sharded parameter raises ``ValueError`` before anything is loaded.
+        """
+        from minifabric.checkpoint.layout import optimizer_state
+
+        self._optimizer.load_state_dict(optimizer_state(self._optimizer, state_dict))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._optimizer.zero_grad(set_to_none=set_to_none)

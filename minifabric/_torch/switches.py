@@ -10,7 +10,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import nn
 
 
 def register_global_step_pre_hook(hook: Callable[[Any, Any, Any], None]) -> Any:
@@ -53,26 +52,6 @@ def return_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, _MALLOC_THRESHOLD)) and bool(
         mallopt(_M_TRIM_THRESHOLD, _MALLOC_THRESHOLD)
     )
-
-
-def hold_state_changes(ready: Any, modules: list[nn.Module]) -> list[Any]:
-    """Make what changes training state in place wait until ``ready`` (a ``threading.Event``) is set.
-
-    Every optimizer's ``step`` waits (a process-wide hook, so optimizers the caller never named are
-    held too), and so does the forward of every submodule of ``modules`` that owns buffers (a
-    BatchNorm updates its running statistics in forward). Returns the hook handles: removing them
-    undoes the switch.
-    """
-
-    def hold(*_: Any) -> None:
-        ready.wait()
-
-    handles = [register_global_step_pre_hook(hold)]
-    for module in modules:
-        for sub in module.modules():
-            if any(True for _ in sub.buffers(recurse=False)):
-                handles.append(sub.register_forward_pre_hook(hold))
-    return handles
 
 
 @contextmanager

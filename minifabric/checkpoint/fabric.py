@@ -39,7 +39,17 @@ def is_fabric_file(data: Any) -> bool:
     """
     if not isinstance(data, dict) or not data or not all(isinstance(k, str) for k in data):
         return False
+    if is_optimizer_state_dict(data):  # torch.save(optimizer.state_dict()): load_raw's
+        return False
     return not all(isinstance(v, torch.Tensor) for v in data.values())
+
+
+def is_optimizer_state_dict(value: Any) -> bool:
+    """Whether ``value`` is an optimizer's state dict (``state`` and ``param_groups``, each group with ``params``)."""
+    if not isinstance(value, dict) or not {"param_groups", "state"} <= set(value):
+        return False
+    groups = value["param_groups"]
+    return isinstance(groups, list) and all(isinstance(g, dict) and "params" in g for g in groups)
 
 
 def _kind(value: Any) -> str | None:

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from minifabric._torch import laid_out_like, load_pre_hooks_keep_nothing
-from minifabric.checkpoint import rng, validate
+from minifabric.checkpoint import layout, rng, validate
 from minifabric.checkpoint.comm import Comm
 from minifabric.checkpoint.format import is_ref, is_stateful, ref_dtype
 from minifabric.checkpoint.read import Opened, Resolver, has_refs, open_checkpoint, read_entries
@@ -177,14 +177,23 @@ def _optimizer_views(optimizer: Optimizer, saved: Any) -> set[tuple]:
 def apply(
     opened: Opened, state: dict[str, Any], read: dict[str, Any], strict: bool, rank: int, world_size: int
 ) -> None:
-    """Copy what was read into ``state``: modules and optimizers in place, values by entry, then per-rank state."""
+    """Copy what was read into ``state``: modules and optimizers in place, values by entry, then per-rank state.
+
+    Optimizer state is laid out like its parameters first: state that cannot be is refused before
+    any module is changed.
+    """
+    laid_out = {
+        key: layout.optimizer_state(value, read[key], key)
+        for key, value in state.items()
+        if key in opened.tree and isinstance(value, Optimizer)
+    }
     for key, value in state.items():
         if key not in opened.tree:
             continue
         if isinstance(value, nn.Module):
             load_module(value, read[key], strict=strict)
         elif isinstance(value, Optimizer):
-            load_optimizer(value, read[key])
+            load_optimizer(value, laid_out[key])
         elif not is_stateful(value):
             state[key] = read.get(key, opened.tree[key])
     if opened.ranks:
@@ -202,7 +211,11 @@ def load_optimizer(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
 
     A state tensor the live optimizer already holds in the same layout is copied into (no new
     memory, and a view of a mapped shard file is dropped after the copy).
+
+    Raises:
+        ValueError: state that cannot be laid out like its sharded parameter (nothing loaded).
     """
+    state_dict = layout.optimizer_state(optimizer, state_dict)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     state = {}
     for index, values in state_dict.get("state", {}).items():
@@ -210,9 +223,7 @@ def load_optimizer(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
             state[index] = values
             continue
         live = optimizer.state.get(params[index], {})
-        state[index] = {
-            name: _into(laid_out_like(value, params[index]), live.get(name)) for name, value in values.items()
-        }
+        state[index] = {name: _into(value, live.get(name)) for name, value in values.items()}
     optimizer.load_state_dict({**state_dict, "state": state})
 
 

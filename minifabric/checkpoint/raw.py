@@ -6,6 +6,7 @@ the module (keys, shapes) before anything is loaded into it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +17,24 @@ from minifabric.checkpoint.commit import POINTER, RECORD
 from minifabric.checkpoint.errors import CheckpointError
 from minifabric.checkpoint.format import FORMAT_KEY
 from minifabric.checkpoint.load import load_module, load_optimizer
+from minifabric.checkpoint.names import group_problems, is_named, parameter_names, to_indices
 from minifabric.checkpoint.read import read_file
 from minifabric.checkpoint.validate import mismatch, module_problems
 
 
 def load_raw(
-    path: Path, obj: nn.Module | Optimizer, strict: bool = True, *, weights_only: bool = True
+    path: Path,
+    obj: nn.Module | Optimizer,
+    strict: bool = True,
+    *,
+    weights_only: bool = True,
+    modules: Sequence[nn.Module] = (),
 ) -> None:
     """Load a plain state-dict file (or a one-file/consolidated checkpoint) into ``obj``.
+
+    Full tensors go into a sharded module or optimizer as this rank's shard. Optimizer state keyed
+    by parameter name (torch's ``get_optimizer_state_dict``, a consolidated checkpoint) is matched
+    to the parameters by their names in ``modules`` (the set-up models).
 
     Raises:
         CheckpointError: the file cannot be read safely, or does not match ``obj`` (nothing loaded).
@@ -37,7 +48,26 @@ def load_raw(
             raise mismatch(repr(str(path)), problems, keys_differ)
         load_module(obj, state_dict, strict=strict)
     else:
-        load_optimizer(obj, state_dict)
+        try:
+            load_optimizer(obj, _by_index(state_dict, obj, list(modules), path))
+        except ValueError as err:  # state that cannot be laid out like its parameter: nothing loaded
+            raise CheckpointError(f"Loading {str(path)!r} failed: {err}") from None
+
+
+def _by_index(state_dict: Any, optimizer: Optimizer, modules: list[nn.Module], path: Path) -> Any:
+    """An optimizer state dict keyed by parameter name, keyed by the live optimizer's indices instead."""
+    if not is_named(state_dict):
+        return state_dict
+    names = parameter_names(optimizer, modules)
+    if names is None:
+        raise CheckpointError(
+            f"{str(path)!r} matches optimizer state to parameters by name, and no set-up model holds every"
+            f" parameter of this {type(optimizer).__name__}. Set the model up first, e.g."
+            " `model, optimizer = acc.setup(model, optimizer)`, then `acc.load_raw(path, optimizer)`."
+        )
+    if problems := group_problems("optimizer", state_dict, optimizer, names):
+        raise mismatch(repr(str(path)), problems, False)
+    return to_indices(state_dict, names)
 
 
 def raw_state_dict(data: Any, obj: nn.Module | Optimizer, path: Path) -> dict[str, Any]:

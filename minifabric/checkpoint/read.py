@@ -74,6 +74,12 @@ def open_checkpoint(path: Path, *, weights_only: bool = True) -> Opened:
         if isinstance(data, dict) and FORMAT_KEY not in data and fabric.is_fabric_file(data):
             meta, tree = fabric.file_layout(data)
             return Opened(found, meta, tree, sharded=False)
+    if fabric.is_optimizer_state_dict(data):
+        raise CheckpointError(
+            f"{str(where)!r} holds one optimizer's state dict (`torch.save(optimizer.state_dict())`), not a"
+            " checkpoint: `load` would find none of the entries of `state` in it. Load it with"
+            " `acc.load_raw(path, optimizer)`."
+        )
     if not isinstance(data, dict) or FORMAT_KEY not in data:
         raise CheckpointError(
             f"{str(where)!r} is not a minifabric checkpoint. For a plain `torch.save(model.state_dict())`"

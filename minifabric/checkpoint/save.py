@@ -3,8 +3,8 @@
 Each stage is one call that every rank makes and that ends in an agreement
 (:meth:`Job.agreed`): an exception on any rank makes every rank raise the same
 :class:`CheckpointError`, the staging folder is removed, and the previous checkpoint at ``path``
-stays as it was. The service (``service.py``) calls them in order; an asynchronous save runs
-``write`` and ``commit`` on a background thread, after an agreed copy of the tensors to CPU.
+stays as it was. The service (``service.py``) calls them in order; an asynchronous save copies the
+collected state to CPU before it returns, and agrees, writes and commits on a background thread.
 
 - ``prepare``: local checks without collectives: the target (rank 0 creates the staging folder),
   every value ``load`` must read back, the stateful objects' states and this rank's RNG states.
@@ -198,22 +198,20 @@ def collect(job: Job, state: dict[str, Any], record: Any, *, agree: bool = True)
     return payload
 
 
-def agree_collected(job: Job, payload: Payload, copy: Callable[[Payload], Payload] | None = None) -> Payload:
+def agree_collected(job: Job, payload: Payload) -> Payload:
     """End stage 2 (and, for a background save, its CPU copy): agree, and gather the ranks' records.
 
-    Returns the payload to write: ``copy(payload)`` where given (taken inside the agreement, so a
-    copy that fails on one rank fails the save on every rank).
+    An error kept in ``payload.pending`` (collecting or copying failed on this rank) is raised on
+    every rank. Returns the payload to write.
     """
     error, record = payload.pending
     shared: dict[str, Any] = {"value": record}
-    out = payload
     with job.agreed(shared):
         if error is not None:
             raise error
-        out = copy(payload) if copy is not None else payload
-    if out.record is not None:
-        out.record[FORMAT_KEY]["ranks"] = shared["all"]
-    return out
+    if payload.record is not None:
+        payload.record[FORMAT_KEY]["ranks"] = shared["all"]
+    return payload
 
 
 def write(job: Job, payload: Payload) -> None:

@@ -5,10 +5,10 @@ The facade owns one :class:`Checkpointer` and passes it, on every save, the stra
 strategy, and strategies import nothing from ``checkpoint/``.
 
 A save is ``saving.prepare -> collect -> write -> commit`` (``save.py``), a load is ``load.load``
-(``load.py``). For an asynchronous save, ``prepare`` and ``collect`` run on the calling thread;
-a background thread then takes an agreed copy of every tensor to CPU (the next
-``optimizer.step()``, and the next forward of a module with buffers, wait for that copy) and
-writes and commits the copy over the checkpoint's own gloo group, while training goes on. A later
+(``load.py``). For an asynchronous save, ``prepare`` and ``collect`` run on the calling thread,
+which then copies every tensor of the state to CPU before the call returns (the checkpoint is the
+state at the call, whatever changes in place afterwards); a background thread agrees on that copy
+and writes and commits it over the checkpoint's own gloo group, while training goes on. A later
 save or load waits for that write first; at exit a failure nobody saw is printed on every rank
 and the exit status is 1.
 """
@@ -16,14 +16,13 @@ and the exit status is 1.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from minifabric import process, signals
-from minifabric._torch import hold_state_changes
 from minifabric.checkpoint import load as loading
 from minifabric.checkpoint import raw
 from minifabric.checkpoint import save as saving
@@ -89,8 +88,6 @@ class Checkpointer:
         self._pending: SaveHandle | None = None
         # CPU copies of the last asynchronous save, reused by the next one (one model copy in RAM).
         self._buffers: dict[str, Any] = {}
-        # hooks that hold optimizer steps and buffer-updating forwards until an async save has copied
-        self._hooks: list[Any] = []
         self._exit_hook: Callable[[], None] | None = None  # cancels the exit hook
 
     @property
@@ -103,13 +100,8 @@ class Checkpointer:
     def wait(self) -> None:
         """Wait for an asynchronous save still in flight; raise if it failed."""
         pending, self._pending = self._pending, None
-        hooks, self._hooks = self._hooks, []
-        try:
-            if pending is not None:
-                pending.wait()
-        finally:
-            for hook in hooks:
-                hook.remove()
+        if pending is not None:
+            pending.wait()
 
     def save(
         self,
@@ -137,24 +129,34 @@ class Checkpointer:
             saving.write(job, payload)
             saving.commit(job, payload)
             return None
-        copied = threading.Event()
-        self._hooks += hold_state_changes(copied, [v for v in state.values() if isinstance(v, nn.Module)])
-
-        def copy(collected: saving.Payload) -> saving.Payload:
-            return saving.Payload(*stage((collected.tensors, collected.record), self._buffers))
+        staged = self._snapshot(payload)
 
         def in_background() -> None:
-            try:  # a copy that fails on one rank fails the save on every rank
-                staged = saving.agree_collected(job, payload, copy)
-            finally:
-                copied.set()
-            saving.write(job, staged)
-            saving.commit(job, staged)
+            agreed = saving.agree_collected(job, staged)  # a copy failed on one rank fails it on every rank
+            saving.write(job, agreed)
+            saving.commit(job, agreed)
 
         self._pending = SaveHandle(path, in_background)
         if self._exit_hook is None:
             self._exit_hook = process.at_exit(self._report_at_exit)
         return self._pending
+
+    def _snapshot(self, payload: saving.Payload) -> saving.Payload:
+        """A CPU copy of everything ``payload`` holds, taken before ``save`` returns.
+
+        The tensors, the side record and this rank's record (stateful objects' state dicts) are
+        copied, so nothing training does afterwards (``optimizer.step()``, an update by hand, a
+        tensor among ``state``'s values changed in place) reaches the checkpoint. The copies reuse
+        the previous save's buffers. A failure is kept for the agreement, which raises it on every rank.
+        """
+        error, record = payload.pending
+        if error is not None:
+            return payload
+        try:
+            tensors, tree, record = stage((payload.tensors, payload.record, record), self._buffers)
+        except BaseException as err:  # raised on every rank by the agreement
+            return saving.Payload(payload.tensors, payload.record, (err, record))
+        return saving.Payload(tensors, tree, (None, record))
 
     def _report_at_exit(self) -> None:
         """At interpreter exit (the save thread has ended): a failed background save nobody saw fails the process.
@@ -186,9 +188,18 @@ class Checkpointer:
         )
 
     def load_raw(
-        self, path: Path, obj: Any, strict: bool = True, key_map: Any = None, weights_only: bool | None = None
+        self,
+        path: Path,
+        obj: Any,
+        strict: bool = True,
+        key_map: Any = None,
+        weights_only: bool | None = None,
+        modules: Sequence[nn.Module] = (),
     ) -> None:
-        """Load a plain state-dict file, a consolidated checkpoint or Hugging Face safetensors into ``obj``."""
+        """Load a plain state-dict file, a consolidated checkpoint or Hugging Face safetensors into ``obj``.
+
+        ``modules`` (the set-up models) name an optimizer's parameters, for state keyed by name.
+        """
         from minifabric.checkpoint import hf
 
         self.wait()
@@ -201,7 +212,7 @@ class Checkpointer:
             raise ValueError(
                 "key_map= applies to safetensors weights only; rename a state dict's keys yourself."
             )
-        raw.load_raw(path, obj, strict=strict, weights_only=weights_only is not False)
+        raw.load_raw(path, obj, strict=strict, weights_only=weights_only is not False, modules=modules)
 
     def export_safetensors(self, path: Path, module: nn.Module) -> None:
         """Write ``module``'s weights as Hugging Face safetensors at ``path`` (every rank calls, rank 0 writes)."""

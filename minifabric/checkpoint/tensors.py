@@ -6,6 +6,7 @@ defined in ``format.py``.
 
 from __future__ import annotations
 
+import copy as copy_module
 from collections.abc import Callable
 from typing import Any
 
@@ -79,17 +80,33 @@ def gather_full(tree: Any, keep: bool) -> Any:
 
 
 def _copy_into(tensor: torch.Tensor, key: str, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
-    """A CPU copy of ``tensor``, written into the buffer kept under ``key`` when one of its kind exists."""
+    """A CPU copy of ``tensor``, written into the buffer kept under ``key`` when one of its kind exists.
+
+    The buffer of a CUDA tensor is page-locked: the device-to-host copy, which the caller waits
+    for, then runs several times faster than into pageable memory.
+    """
     buffer = buffers.get(key)
-    if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-        buffer = buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+    pinned = tensor.is_cuda
+    if (
+        buffer is None
+        or buffer.shape != tensor.shape
+        or buffer.dtype != tensor.dtype
+        or buffer.is_pinned() != pinned
+    ):
+        buffer = buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
     return buffer.copy_(tensor.detach())
 
 
-def stage(tree: Any, buffers: dict[str, torch.Tensor] | None = None) -> Any:
-    """A CPU copy of every tensor (DTensors keep their layout), so training may go on while it is written.
+#: leaves that cannot change in place (every other leaf is copied by :func:`stage`)
+_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 
-    With ``buffers`` (kept by the caller between saves), the copies reuse the buffers of the previous
+
+def stage(tree: Any, buffers: dict[str, torch.Tensor] | None = None) -> Any:
+    """A copy of ``tree`` that nothing done to ``tree`` afterwards changes: tensors copied to CPU.
+
+    DTensors keep their layout; containers are rebuilt, and any other mutable leaf (a set, a
+    user's object) is deep-copied, so training may go on while the copy is written. With
+    ``buffers`` (kept by the caller between saves), the copies reuse the buffers of the previous
     save: the copy is then a plain memcpy, without allocating and faulting in fresh memory.
     """
     buffers = {} if buffers is None else buffers
@@ -100,7 +117,7 @@ def stage(tree: Any, buffers: dict[str, torch.Tensor] | None = None) -> Any:
             return shard_like(_copy_into(leaf.to_local(), key, buffers), leaf)
         if isinstance(leaf, torch.Tensor):
             return _copy_into(leaf, key, buffers)
-        return leaf
+        return leaf if isinstance(leaf, _IMMUTABLE) else copy_module.deepcopy(leaf)
 
     return map_tree(tree, copy)
 

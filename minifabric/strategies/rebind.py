@@ -119,6 +119,10 @@ class SetupLedger:
         self._setups.append((names_before, module))
         self._forward[id(module)] = forward_module
 
+    def modules(self) -> list[nn.Module]:
+        """The models set up so far, in order."""
+        return [module for _, module in self._setups]
+
     def forward_module(self, module: nn.Module) -> nn.Module | None:
         """What ``setup`` made of ``module`` (None if it was not set up here)."""
         if any(recorded is module for _, recorded in self._setups):

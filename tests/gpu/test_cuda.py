@@ -101,3 +101,23 @@ def test_meta_init_on_cuda_equals_eager_cpu_construction(strategy):
     offloaded = strategy == "fsdp_cpu_offload"
     assert result["param_devices"] == (["cpu"] if offloaded else ["cuda"])
     assert result["buffer_devices"] == ["cuda"]
+
+
+def test_async_save_of_a_cuda_model_is_the_state_at_the_call(tmp_path):
+    """The copy to page-locked CPU memory is taken before the call returns; later in-place updates stay out."""
+    acc = Accelerator(accelerator="cuda", devices=1)
+    acc.launch()
+    model = torch.nn.Linear(64, 64)
+    model, optimizer = acc.setup(model, torch.optim.AdamW(model.parameters(), lr=0.1))
+    acc.backward(model(torch.randn(4, 64, device="cuda")).sum())
+    optimizer.step()
+    expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    handle = acc.save(tmp_path / "ckpt.pt", {"model": model, "optimizer": optimizer}, asynchronous=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    handle.wait()
+    fresh = torch.nn.Linear(64, 64)
+    acc.load_raw(tmp_path / "ckpt.pt", fresh)
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value.cpu(), expected[key]), key

@@ -19,30 +19,45 @@ def _slow_stage(monkeypatch, seconds=0.5):
     monkeypatch.setattr(service, "stage", slow)
 
 
-def test_async_save_returns_before_the_copy_and_the_next_step_waits_for_it(tmp_path, monkeypatch):
+def test_async_save_writes_the_state_at_the_call_whatever_changes_in_place_after_it(tmp_path, monkeypatch):
+    """A step, a hand-written update, a clamp and a tensor among ``state``'s values changed in place
+    after the call returns never reach the checkpoint (the copy is slowed down, so a copy taken
+    after the call would see them)."""
     acc = Accelerator(accelerator="cpu")
     acc.launch()
-    model = torch.nn.Linear(8, 8)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     model, optimizer = acc.setup(model, optimizer)
     acc.backward(model(torch.randn(4, 8)).sum())
     optimizer.step()
-    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    ema = torch.arange(4.0)
+    extra = {"seen": {1, 2}}
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_moments = [optimizer.state[p]["exp_avg"].clone() for p in model.parameters()]
     _slow_stage(monkeypatch)
 
-    start = time.perf_counter()
-    handle = acc.save(tmp_path / "ckpt.pt", {"model": model, "optimizer": optimizer}, asynchronous=True)
-    returned = time.perf_counter() - start
-    acc.backward(model(torch.randn(4, 8)).sum())  # forward and backward overlap the copy
-    optimizer.step()  # must wait until the copy of the pre-step weights is complete
+    handle = acc.save(tmp_path / "ckpt.pt", {"model": model, "optimizer": optimizer, "ema": ema, "extra": extra},
+                      asynchronous=True)  # fmt: skip
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # SAM's first step, or an update by hand
+            p.data.clamp_(-0.5, 0.5)
+    ema.mul_(0)
+    extra["seen"].add(3)
+    acc.backward(model(torch.randn(4, 8)).sum())  # the forward updates BatchNorm's running statistics
+    optimizer.step()
     handle.wait()
 
-    assert returned < 0.4  # the copy happens in the background
-    assert not torch.equal(model.weight, saved["weight"])
-    fresh = torch.nn.Linear(8, 8)
-    acc.load_raw(tmp_path / "ckpt.pt", fresh)
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    state = {"model": fresh, "optimizer": fresh_opt, "ema": None, "extra": None}
+    acc.load(tmp_path / "ckpt.pt", state)
     for key, value in fresh.state_dict().items():
-        assert torch.equal(value, saved[key]), key
+        assert torch.equal(value, saved_model[key]), key
+    for p, moment in zip(fresh.parameters(), saved_moments, strict=True):
+        assert torch.equal(fresh_opt.state[p]["exp_avg"], moment)
+    assert torch.equal(state["ema"], torch.arange(4.0))
+    assert state["extra"] == {"seen": {1, 2}}
 
 
 def test_no_step_hook_is_left_behind_after_the_save_completes(tmp_path):

@@ -1,0 +1,74 @@
+"""Full state into a sharded model or optimizer in one process (FSDP on 1 device): what is refused.
+
+The equality with one process on 2 ranks is in tests/distributed/test_full_state_into_sharded.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from minifabric import Accelerator
+from minifabric.checkpoint.errors import CheckpointError
+
+
+def _fsdp_model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
+    acc = Accelerator(accelerator="cpu", strategy="fsdp", devices=1)
+    acc.launch()
+    model = nn.Linear(4, 3)
+    model, optimizer = acc.setup(model, torch.optim.AdamW(model.parameters()))
+    acc.backward(model(torch.ones(2, 4)).sum())
+    optimizer.step()
+    return model, optimizer
+
+
+def _full(tree: dict) -> dict:
+    return {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v for k, v in tree.items()}
+
+
+def test_a_full_tensor_of_another_shape_is_refused_before_anything_is_loaded() -> None:
+    model, _ = _fsdp_model_and_optimizer()
+    before = _full(model.state_dict())
+    wrong = {"weight": torch.zeros(3, 4), "bias": torch.zeros(5)}  # the weight first: it would be copied
+    with pytest.raises(ValueError, match=r"bias: state dict \(5,\), model \(3,\). Nothing was loaded"):
+        model.load_state_dict(wrong)
+    for key, value in _full(model.state_dict()).items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_assign_with_full_tensors_into_a_sharded_model_is_refused() -> None:
+    model, _ = _fsdp_model_and_optimizer()
+    with pytest.raises(ValueError, match=r"assign=True.*model.load_state_dict\(state_dict\)"):
+        model.load_state_dict({"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}, assign=True)
+
+
+def test_optimizer_state_that_cannot_follow_its_sharded_parameter_is_refused() -> None:
+    model, optimizer = _fsdp_model_and_optimizer()
+    full = torch.optim.AdamW(nn.Linear(4, 3).parameters()).state_dict()
+    full["state"] = {
+        0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3, 4), "exp_avg_sq": torch.zeros(3, 4)},
+        1: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(3)},
+    }
+    before = {i: dict(optimizer.state[p]) for i, p in enumerate(model.parameters())}
+    with pytest.raises(ValueError, match=r"optimizer.state\[1\]\['exp_avg'\] has the shape \(2,\)"):
+        optimizer.load_state_dict(full)
+    for i, p in enumerate(model.parameters()):
+        assert optimizer.state[p].keys() == before[i].keys()
+        assert all(optimizer.state[p][k] is v for k, v in before[i].items())  # nothing replaced
+
+
+def test_load_of_an_optimizer_state_dict_file_points_to_load_raw(tmp_path: Path) -> None:
+    acc = Accelerator(accelerator="cpu", devices=1)
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    torch.save(optimizer.state_dict(), tmp_path / "optimizer.pt")
+    model, optimizer = acc.setup(model, optimizer)
+    with pytest.raises(CheckpointError, match=r"`acc.load_raw\(path, optimizer\)`") as raised:
+        acc.load(tmp_path / "optimizer.pt", {"optimizer": optimizer})
+    assert "strict=False" not in str(raised.value)
+    acc.load_raw(tmp_path / "optimizer.pt", optimizer)  # the fix works
