@@ -15,7 +15,12 @@ rank keeping only its part of a DTensor). The pieces, bottom to top:
 This package imports nothing from ``minifabric.strategies`` or the facade; strategies call it.
 """
 
-from minifabric.init.context import keeping_init_records, meta_init_context, paused_recording
+from minifabric.init.context import (
+    following_init_records,
+    keeping_init_records,
+    meta_init_context,
+    paused_recording,
+)
 from minifabric.init.materialize import (
     Place,
     has_init_records,
@@ -24,11 +29,13 @@ from minifabric.init.materialize import (
     recorded_places,
     reset_meta_modules,
 )
-from minifabric.init.verify import InitMismatch, self_check, verify_requested, wants_check
+from minifabric.init.verify import InitMismatch, carry_check, self_check, verify_requested, wants_check
 
 __all__ = [
     "InitMismatch",
     "Place",
+    "carry_check",
+    "following_init_records",
     "has_init_records",
     "has_meta_tensors",
     "keeping_init_records",

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from minifabric._torch import module_registration_hooks, tensor_version
-from minifabric.init.recipe import RECORDS, SEALED, Base, Handle, handle_of, module_record
+from minifabric.init.recipe import RECORDS, SEALED, Base, Handle, handle_of, is_dtensor, module_record
 from minifabric.init.record import Recorder
 from minifabric.init.verify import noting_constructions
 
@@ -144,3 +144,42 @@ def keeping_init_records(module: nn.Module) -> Iterator[None]:
         new = sub._parameters[name]
         if new is not None and handle_of(new) is None:
             RECORDS[new] = handle
+
+
+@contextmanager
+def following_init_records() -> Iterator[None]:
+    """Inside, the recorded init follows each meta tensor into the module it is registered in.
+
+    Around user code that rebuilds modules of a meta-built model before it is materialized (a
+    ``parallelize_fn`` that swaps ``nn.Linear`` for a subclass built ``from_float``-style, which
+    takes over the old module's ``Parameter`` objects, then applies a tensor-parallel plan):
+    ``setup`` then materializes the modules now in the model, not the ones that held the
+    parameters before. A meta tensor registered in place of a recorded one is that tensor laid out
+    anew only if it is a DTensor of the same shape (``parallelize_module`` registers one per planned
+    parameter); it takes over that record. Any other meta tensor registered here has no record, and
+    ``setup`` refuses it, naming it.
+    """
+
+    def follow(module: nn.Module, name: str, tensor: torch.Tensor, table: dict) -> torch.Tensor:
+        if not tensor.is_meta:
+            return tensor
+        handle = handle_of(tensor)
+        if handle is None:
+            old = table.get(name)
+            before = handle_of(old) or (module_record(module) or {}).get(name)
+            laid_out = old is not None and is_dtensor(tensor) and tuple(old.shape) == tuple(tensor.shape)
+            if before is not None and laid_out:
+                RECORDS[tensor] = handle = before
+        record = module_record(module, create=handle is not None)
+        if record is not None:
+            if handle is None:
+                record.pop(name, None)
+            else:
+                record[name] = handle
+        return tensor
+
+    with module_registration_hooks(
+        lambda module, name, param: follow(module, name, param, module._parameters),
+        lambda module, name, buffer: follow(module, name, buffer, module._buffers),
+    ):
+        yield
