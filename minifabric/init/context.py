@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,6 +25,9 @@ from torch import nn
 from minifabric._torch import module_registration_hooks, tensor_version
 from minifabric.init.recipe import RECORDS, SEALED, Base, Handle, handle_of, is_dtensor, module_record
 from minifabric.init.record import Recorder
+
+if TYPE_CHECKING:
+    from minifabric.init.materialize import Place
 from minifabric.init.verify import noting_constructions
 
 _RECORDER: ContextVar[Recorder | None] = ContextVar("minifabric_init_recorder", default=None)
@@ -147,29 +151,33 @@ def keeping_init_records(module: nn.Module) -> Iterator[None]:
 
 
 @contextmanager
-def following_init_records() -> Iterator[None]:
-    """Inside, the recorded init follows each meta tensor into the module it is registered in.
+def following_init_records(places: list[Place]) -> Iterator[None]:
+    """Inside, each recorded meta tensor carries its record into whatever module it is registered in.
 
     Around user code that rebuilds modules of a meta-built model before it is materialized (a
     ``parallelize_fn`` that swaps ``nn.Linear`` for a subclass built ``from_float``-style, which
-    takes over the old module's ``Parameter`` objects, then applies a tensor-parallel plan):
-    ``setup`` then materializes the modules now in the model, not the ones that held the
-    parameters before. A meta tensor registered in place of a recorded one is that tensor laid out
-    anew only if it is a DTensor of the same shape (``parallelize_module`` registers one per planned
-    parameter); it takes over that record. Any other meta tensor registered here has no record, and
-    ``setup`` refuses it, naming it.
+    takes over the old module's ``Parameter`` objects, then applies a tensor-parallel plan). On
+    entry every tensor of ``places`` (:func:`~minifabric.init.materialize.recorded_places`) is bound
+    to its record by identity, so the record follows the tensor, not the module that held it, and
+    ``setup`` materializes the modules now in the model. A meta tensor registered in place of a
+    recorded one is that tensor laid out anew only if it is a DTensor of the same shape
+    (``parallelize_module`` registers one per planned parameter): it takes over the record. Any
+    other meta tensor registered inside has no record, and ``setup`` refuses it, naming it.
     """
+    for sub, name, is_param, handle in places:
+        tensor = (sub._parameters if is_param else sub._buffers)[name]
+        if tensor is not None and handle_of(tensor) is None:
+            RECORDS[tensor] = handle
 
     def follow(module: nn.Module, name: str, tensor: torch.Tensor, table: dict) -> torch.Tensor:
         if not tensor.is_meta:
             return tensor
         handle = handle_of(tensor)
-        if handle is None:
-            old = table.get(name)
-            before = handle_of(old) or (module_record(module) or {}).get(name)
-            laid_out = old is not None and is_dtensor(tensor) and tuple(old.shape) == tuple(tensor.shape)
-            if before is not None and laid_out:
-                RECORDS[tensor] = handle = before
+        old = table.get(name)
+        if handle is None and is_dtensor(tensor) and old is not None and old.shape == tensor.shape:
+            handle = handle_of(old)  # `parallelize_module`: the same parameter, laid out over the mesh
+            if handle is not None:
+                RECORDS[tensor] = handle
         record = module_record(module, create=handle is not None)
         if record is not None:
             if handle is None:

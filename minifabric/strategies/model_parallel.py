@@ -200,7 +200,7 @@ class ModelParallelStrategy(Strategy):
         places = self._recorded_places(module)  # raises before any collective if an init cannot be reproduced
         if not places:
             return self.parallelize(module.to(self.root_device), compiler)
-        with following_init_records():  # a record follows its tensor into a module the function built
+        with following_init_records(places):  # a record follows its tensor into a module the function built
             parallelized = self.parallelize(module, compiler)
         carry_check(module, parallelized)
         fn = getattr(self.parallelize_fn, "__name__", repr(self.parallelize_fn))

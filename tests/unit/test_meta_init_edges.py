@@ -6,6 +6,7 @@ The 2-rank tensor-parallel counterparts are in ``tests/distributed/test_model_pa
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -83,7 +84,8 @@ def test_a_record_follows_its_parameter_into_a_module_swapped_in() -> None:
     torch.manual_seed(0)
     with meta_init_context():
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-    with following_init_records():
+    model = copy.deepcopy(model)  # a copy's tensors are known by their modules only, until the swap
+    with following_init_records(recorded_places(model)):
         model[0] = SwappedLinear.from_float(model[0])
         model[1].weight = nn.Parameter(torch.empty(2, 4, device="meta"))  # a new tensor: no record
     with pytest.raises(ValueError, match=r"parameter '1\.weight' of Sequential \(in Linear\).*after swap ran"):
