@@ -29,12 +29,11 @@ from minifabric.init.materialize import (
     recorded_places,
     reset_meta_modules,
 )
-from minifabric.init.verify import InitMismatch, carry_check, self_check, verify_requested, wants_check
+from minifabric.init.verify import InitMismatch, self_check, verify_requested, wants_check
 
 __all__ = [
     "InitMismatch",
     "Place",
-    "carry_check",
     "following_init_records",
     "has_init_records",
     "has_meta_tensors",

@@ -25,10 +25,10 @@ from torch import nn
 from minifabric._torch import module_registration_hooks, tensor_version
 from minifabric.init.recipe import RECORDS, SEALED, Base, Handle, handle_of, is_dtensor, module_record
 from minifabric.init.record import Recorder
+from minifabric.init.verify import noting_constructions
 
 if TYPE_CHECKING:
     from minifabric.init.materialize import Place
-from minifabric.init.verify import noting_constructions
 
 _RECORDER: ContextVar[Recorder | None] = ContextVar("minifabric_init_recorder", default=None)
 

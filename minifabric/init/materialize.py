@@ -319,9 +319,9 @@ def _copy_local(tensor: Any, full: torch.Tensor) -> None:
     """Copy this rank's part of ``full`` into the local tensor of ``tensor`` (a DTensor of any placement)."""
     from torch.distributed.tensor import distribute_tensor
 
-    local = tensor.to_local()
     if not full.numel():  # no values to place (FSDP gives such a parameter a local part of its own shape)
         return
+    local = tensor.to_local()
     part = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
     if part.shape != local.shape:
         raise RuntimeError(

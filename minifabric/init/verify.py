@@ -190,13 +190,6 @@ def _as_constructed(built: _Construction, name: str, t: torch.Tensor) -> bool:
     return ref() is t and tensor_version(t) == version
 
 
-def carry_check(old: nn.Module, new: nn.Module) -> None:
-    """``new`` replaced ``old`` as the model's root (a ``parallelize_fn`` returned another module):
-    the self-check requested for ``old`` runs for ``new``."""
-    if old is not new and old in _BUILT:
-        _BUILT[new] = _BUILT.pop(old)
-
-
 def _compare(cls: type, name: str, value: torch.Tensor, expected: dict[str, torch.Tensor]) -> None:
     want = expected.get(name)
     if want is None:

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from minifabric._torch import fsdp_policy, unresolved_plan_keys
 from minifabric.environment import DEFAULT_TIMEOUT
-from minifabric.init import carry_check, following_init_records, recorded_places
+from minifabric.init import following_init_records, recorded_places
 from minifabric.strategies.compile import (
     Compiler,
     compile_children_in_place,
@@ -202,7 +202,6 @@ class ModelParallelStrategy(Strategy):
             return self.parallelize(module.to(self.root_device), compiler)
         with following_init_records(places):  # a record follows its tensor into a module the function built
             parallelized = self.parallelize(module, compiler)
-        carry_check(module, parallelized)
         fn = getattr(self.parallelize_fn, "__name__", repr(self.parallelize_fn))
         places = recorded_places(parallelized, rebuilt_by=f"parallelize_fn {fn!r}")
         self._materialize(parallelized, places, self.root_device, self.root_device)
