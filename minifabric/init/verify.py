@@ -83,7 +83,9 @@ def noting_constructions() -> Iterator[None]:
         if not stack and module in _BUILT:
             _BUILT[module].rng_after = torch.get_rng_state()
             _BUILT[module].real = {
-                name: (weakref.ref(t), tensor_version(t)) for name, t in _named_tensors(module) if not t.is_meta
+                name: (weakref.ref(t), tensor_version(t))
+                for name, t in _named_tensors(module)
+                if not t.is_meta
             }
 
     with module_construction_hook(on_start, on_end):

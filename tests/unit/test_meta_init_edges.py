@@ -88,7 +88,9 @@ def test_a_record_follows_its_parameter_into_a_module_swapped_in() -> None:
     with following_init_records(recorded_places(model)):
         model[0] = SwappedLinear.from_float(model[0])
         model[1].weight = nn.Parameter(torch.empty(2, 4, device="meta"))  # a new tensor: no record
-    with pytest.raises(ValueError, match=r"parameter '1\.weight' of Sequential \(in Linear\).*after swap ran"):
+    with pytest.raises(
+        ValueError, match=r"parameter '1\.weight' of Sequential \(in Linear\).*after swap ran"
+    ):
         recorded_places(model, rebuilt_by="swap")
     model[1].weight = eager[1].weight  # a real tensor put in: kept
     materialize(model, recorded_places(model, rebuilt_by="swap"))
