@@ -6,6 +6,8 @@ seed; the set-up model must equal the eager one bitwise, and the random stream a
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import nn
@@ -136,3 +138,59 @@ class OddShapes(nn.Module):
 CASES = {"rare_random": RareRandom, "wrapped_init": WrappedInit, "strided": Strided, "spectral": Spectral}
 CASES["odd_shapes"] = OddShapes
 NON_CONTIGUOUS = {"strided", "odd_shapes"}  # parameters FSDP2 cannot shard, however they were built
+
+
+class SwappedLinear(nn.Linear):
+    """A ``Linear`` built on the meta device from another one, taking over its ``Parameter`` objects
+    (torchao's ``Float8Linear.from_float``, used by ``convert_to_float8_training``)."""
+
+    @classmethod
+    def from_float(cls, mod: nn.Linear) -> SwappedLinear:
+        with torch.device("meta"):
+            new = cls(mod.in_features, mod.out_features, bias=False)
+        new.weight = mod.weight
+        new.bias = mod.bias
+        return new
+
+
+class Registers(nn.Module):
+    """DINOv3's ViT with its default of no register tokens: a zero-element parameter, never written."""
+
+    def __init__(self, n_storage_tokens: int = 0) -> None:
+        super().__init__()
+        self.storage_tokens = nn.Parameter(torch.empty(1, n_storage_tokens, 8))
+        self.prompts = nn.Parameter(torch.empty(0))  # an optional prompt, off
+        self.proj = nn.Linear(8, 8)
+        if n_storage_tokens > 0:
+            nn.init.normal_(self.storage_tokens, std=0.02)
+
+
+class Backbone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(6, 8)
+        self.norm = nn.BatchNorm1d(8)
+
+
+class FineTune(nn.Module):
+    """A pretrained ``backbone`` (loaded with ``assign=True``) under a new ``head``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = Backbone()
+        self.head = nn.Linear(8, 4)
+
+
+def fine_tune_with_verify(acc: Any) -> tuple[Backbone, FineTune, nn.Module]:
+    """``(pretrained backbone, eager FineTune, set-up FineTune)``: built in ``init_module(empty_init=True,
+    verify=True)``, the backbone loaded with ``assign=True`` (a real buffer changed, as training does)."""
+    torch.manual_seed(5)
+    pretrained = Backbone()
+    pretrained.norm.running_mean.uniform_()
+    torch.manual_seed(6)
+    eager = FineTune()
+    torch.manual_seed(6)
+    with acc.init_module(empty_init=True, verify=True):
+        model = FineTune()
+    model.backbone.load_state_dict(pretrained.state_dict(), assign=True)
+    return pretrained, eager, acc.setup(model)

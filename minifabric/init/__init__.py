@@ -10,25 +10,32 @@ rank keeping only its part of a DTensor). The pieces, bottom to top:
 - :mod:`~minifabric.init.replay`: computing a value from its recipe.
 - :mod:`~minifabric.init.context`: the ``init_module`` context.
 - :mod:`~minifabric.init.materialize`: the ``setup`` side, for plain tensors and DTensors alike.
+- :mod:`~minifabric.init.plain_meta`: a model built under plain ``torch.device("meta")`` (no record).
 - :mod:`~minifabric.init.verify`: the self-check against eager construction.
 
 This package imports nothing from ``minifabric.strategies`` or the facade; strategies call it.
 """
 
-from minifabric.init.context import keeping_init_records, meta_init_context, paused_recording
+from minifabric.init.context import (
+    following_init_records,
+    keeping_init_records,
+    meta_init_context,
+    paused_recording,
+)
 from minifabric.init.materialize import (
     Place,
     has_init_records,
     has_meta_tensors,
     materialize,
     recorded_places,
-    reset_meta_modules,
 )
+from minifabric.init.plain_meta import reset_meta_modules
 from minifabric.init.verify import InitMismatch, self_check, verify_requested, wants_check
 
 __all__ = [
     "InitMismatch",
     "Place",
+    "following_init_records",
     "has_init_records",
     "has_meta_tensors",
     "keeping_init_records",

@@ -17,14 +17,18 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from minifabric._torch import module_registration_hooks, tensor_version
-from minifabric.init.recipe import RECORDS, SEALED, Base, Handle, handle_of, module_record
+from minifabric.init.recipe import RECORDS, SEALED, Base, Handle, handle_of, is_dtensor, module_record
 from minifabric.init.record import Recorder
 from minifabric.init.verify import noting_constructions
+
+if TYPE_CHECKING:
+    from minifabric.init.materialize import Place
 
 _RECORDER: ContextVar[Recorder | None] = ContextVar("minifabric_init_recorder", default=None)
 
@@ -144,3 +148,46 @@ def keeping_init_records(module: nn.Module) -> Iterator[None]:
         new = sub._parameters[name]
         if new is not None and handle_of(new) is None:
             RECORDS[new] = handle
+
+
+@contextmanager
+def following_init_records(places: list[Place]) -> Iterator[None]:
+    """Inside, each recorded meta tensor carries its record into whatever module it is registered in.
+
+    Around user code that rebuilds modules of a meta-built model before it is materialized (a
+    ``parallelize_fn`` that swaps ``nn.Linear`` for a subclass built ``from_float``-style, which
+    takes over the old module's ``Parameter`` objects, then applies a tensor-parallel plan). On
+    entry every tensor of ``places`` (:func:`~minifabric.init.materialize.recorded_places`) is bound
+    to its record by identity, so the record follows the tensor, not the module that held it, and
+    ``setup`` materializes the modules now in the model. A meta tensor registered in place of a
+    recorded one is that tensor laid out anew only if it is a DTensor of the same shape
+    (``parallelize_module`` registers one per planned parameter): it takes over the record. Any
+    other meta tensor registered inside has no record, and ``setup`` refuses it, naming it.
+    """
+    for sub, name, is_param, handle in places:
+        tensor = (sub._parameters if is_param else sub._buffers)[name]
+        if tensor is not None and handle_of(tensor) is None:
+            RECORDS[tensor] = handle
+
+    def follow(module: nn.Module, name: str, tensor: torch.Tensor, table: dict) -> torch.Tensor:
+        if not tensor.is_meta:
+            return tensor
+        handle = handle_of(tensor)
+        old = table.get(name)
+        if handle is None and is_dtensor(tensor) and old is not None and old.shape == tensor.shape:
+            handle = handle_of(old)  # `parallelize_module`: the same parameter, laid out over the mesh
+            if handle is not None:
+                RECORDS[tensor] = handle
+        record = module_record(module, create=handle is not None)
+        if record is not None:
+            if handle is None:
+                record.pop(name, None)
+            else:
+                record[name] = handle
+        return tensor
+
+    with module_registration_hooks(
+        lambda module, name, param: follow(module, name, param, module._parameters),
+        lambda module, name, buffer: follow(module, name, buffer, module._buffers),
+    ):
+        yield

@@ -18,16 +18,23 @@ is its shards plus the largest parameter.
 
 from __future__ import annotations
 
-import sys
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from minifabric._torch import refusing_writes, storage_key, swap_module_tensors, tensor_version
-from minifabric.init.recipe import SEALED, Handle, Real, Ref, forget_records, handle_of, module_record
+from minifabric._torch import swap_module_tensors, tensor_version
+from minifabric.init.recipe import (
+    SEALED,
+    Handle,
+    Real,
+    Ref,
+    forget_records,
+    handle_of,
+    is_dtensor,
+    module_record,
+)
 from minifabric.init.replay import apply_chain, evaluate, resolver
 
 #: (module, attribute name, is a parameter, recorded init) for every meta tensor of a model.
@@ -71,8 +78,16 @@ def _meta_value(v: Any) -> Any:
     return v.tensor if isinstance(v, Real) else v
 
 
-def recorded_places(module: nn.Module) -> list[Place]:
+def recorded_places(module: nn.Module, rebuilt_by: str | None = None) -> list[Place]:
     """Every meta parameter and buffer of ``module`` with its recorded init.
+
+    A parameter with no elements that nothing wrote has its one possible value (DINOv3's default of
+    no register tokens): it is set up, not refused as uninitialized memory.
+
+    Args:
+        module: the model.
+        rebuilt_by: how messages name user code that rebuilt modules since construction (a
+            ``parallelize_fn``), for a meta tensor it put there with no record.
 
     Raises:
         ValueError: a meta tensor whose init cannot be reproduced (named, with the fix), before
@@ -89,6 +104,8 @@ def recorded_places(module: nn.Module) -> list[Place]:
                 label = f"{'parameter' if is_param else 'buffer'} {f'{prefix}.{name}' if prefix else name!r}"
                 where = f"{label} of {root} (in {type(sub).__name__})"
                 handle = _handle_at(sub, name, t)
+                if handle is None and rebuilt_by is not None:
+                    raise ValueError(_unknown_after(where, rebuilt_by))
                 if handle is None:
                     raise ValueError(
                         f"The {where} is on the meta device but was not created inside"
@@ -106,7 +123,7 @@ def recorded_places(module: nn.Module) -> list[Place]:
                         " on the parameter (e.g. `torch.nn.init.normal_(self.weight, std=0.02)`), or build this"
                         " model with `acc.init_module(empty_init=False)`."
                     )
-                if is_param and not base.written:
+                if is_param and not base.written and t.numel():
                     made = "`torch.empty`" if not handle.chain else "a view of `torch.empty`"
                     raise ValueError(
                         f"The {where} is created with {made} (or `new_empty`/`empty_like`) and never"
@@ -139,6 +156,16 @@ def _refuse_reset_set_after(prefix: str, sub: nn.Module, root: str) -> None:
         " constructing the model: `with acc.init_module(empty_init=True): model = Model();"
         " init_weights(model)` (e.g. set the `reset_parameters` there and call each one), or build it"
         " with `acc.init_module(empty_init=False)`."
+    )
+
+
+def _unknown_after(where: str, rebuilt_by: str) -> str:
+    return (
+        f"The {where} is on the meta device with no recorded init after {rebuilt_by} ran: that code put it"
+        " there (e.g. a module it built on the meta device that did not take over the original"
+        " `Parameter` objects), so its value is unknown and `setup` would leave it uninitialized. Let the"
+        " new module take over the old one's parameters and buffers, as torchao's `from_float` does"
+        " (`new.weight = old.weight`), or build the model with `acc.init_module(empty_init=False)`."
     )
 
 
@@ -192,7 +219,7 @@ def materialize(
     shards = {} if on_value is not None else _kept_shards(places)
 
     def allocate(t: torch.Tensor) -> torch.Tensor:
-        if not (t.is_meta and _is_dtensor(t)):
+        if not (t.is_meta and is_dtensor(t)):
             return t
         target = device if isinstance(t, nn.Parameter) else buffer_device
         if id(t) in shards:
@@ -211,7 +238,7 @@ def materialize(
         return torch.empty_like(t, device=target)
 
     forget_records(module)  # the registry's weak references would stop the swap
-    if any(_is_dtensor(t) and t.is_meta for t in (*module.parameters(), *module.buffers())):
+    if any(is_dtensor(t) and t.is_meta for t in (*module.parameters(), *module.buffers())):
         swap_module_tensors(module, allocate)  # DTensors: FSDP2 re-points its shards at the new storage
     names = _qualified_names(module) if on_value is not None else {}
     replaced: dict[int, torch.Tensor | None] = {id(t): None for t in _params_by_id(places) if id(t) in shards}
@@ -236,7 +263,7 @@ def _params_by_id(places: list[Place]) -> list[Any]:
 
 def _place(old: torch.Tensor, full: torch.Tensor, device: Any) -> torch.Tensor | None:
     """A plain meta tensor: its replacement on ``device``. A DTensor: its local part filled in place (None)."""
-    if _is_dtensor(old):
+    if is_dtensor(old):
         _copy_local(old, full.to(old.dtype))
         return None
     value = full.to(device=device, dtype=old.dtype)
@@ -254,7 +281,7 @@ def _kept_shards(places: list[Place]) -> dict[int, torch.Tensor]:
     for sub, name, is_param, handle in places:
         old: Any = (sub._parameters if is_param else sub._buffers)[name]
         kept = handle.base.kept
-        if kept is None or handle.chain or not _is_dtensor(old) or id(old) in out:
+        if kept is None or handle.chain or not is_dtensor(old) or id(old) in out:
             continue
         from torch.distributed.tensor import Shard
 
@@ -274,7 +301,7 @@ def _kept_shards(places: list[Place]) -> dict[int, torch.Tensor]:
 def _place_whole_kept(old: Any, handle: Handle, device: Any, replaced: dict) -> bool:
     """A plain tensor whose whole value was kept at construction (part ``(1, 0)``): use it, no replay."""
     kept = handle.base.kept
-    if kept is None or handle.chain or _is_dtensor(old):
+    if kept is None or handle.chain or is_dtensor(old):
         return False
     (parts, index), part = kept
     if (parts, index) != (1, 0) or part.shape != old.shape:
@@ -287,15 +314,12 @@ def _place_whole_kept(old: Any, handle: Handle, device: Any, replaced: dict) -> 
     return True
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    tensor_module = sys.modules.get("torch.distributed.tensor")  # never imported: no DTensor exists
-    return tensor_module is not None and isinstance(t, tensor_module.DTensor)
-
-
 def _copy_local(tensor: Any, full: torch.Tensor) -> None:
     """Copy this rank's part of ``full`` into the local tensor of ``tensor`` (a DTensor of any placement)."""
     from torch.distributed.tensor import distribute_tensor
 
+    if not full.numel():  # no values to place (FSDP gives such a parameter a local part of its own shape)
+        return
     local = tensor.to_local()
     part = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
     if part.shape != local.shape:
@@ -313,83 +337,3 @@ def _qualified_names(module: nn.Module) -> dict[tuple[int, str], str]:
         for name in (*sub._parameters, *sub._buffers):
             names.setdefault((id(sub), name), f"{prefix}.{name}" if prefix else name)
     return names
-
-
-def reset_meta_modules(module: nn.Module, device: torch.device | str) -> bool:
-    """Materialize a model built under plain ``torch.device("meta")`` as Lightning Fabric does.
-
-    Such a model has no recorded init (it was not built in ``init_module(empty_init=True)``, the
-    exact path): its meta tensors get memory on ``device``, then each module holding one runs its
-    ``reset_parameters()``; modules without one keep uninitialized memory, named in Fabric's
-    warning. Parameter objects are kept (tied weights stay tied), and so are the real tensors the
-    model held before (a pretrained part loaded with ``load_state_dict(..., assign=True)``): a
-    ``reset_parameters()`` that would write into one, or replace it, raises naming both, before the
-    write. Returns whether it did anything (nothing for a model without meta tensors or built
-    inside ``init_module``).
-    """
-    if not has_meta_tensors(module) or has_init_records(module):
-        return False
-    tensors = dict((*module.named_parameters(), *module.named_buffers()))
-    kept = {name: t for name, t in tensors.items() if not t.is_meta}
-    memory = {name: t.detach() for name, t in kept.items()}  # an alias: keeps the memory alive
-    holding_meta = [
-        (name, sub)
-        for name, sub in module.named_modules()
-        if any(t.is_meta for t in (*sub.parameters(recurse=False), *sub.buffers(recurse=False)))
-    ]
-    swap_module_tensors(module, lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
-    made = {id(t) for name, t in (*module.named_parameters(), *module.named_buffers()) if name not in kept}
-    protected = {storage_key(t): name for name, t in kept.items() if t.numel()}
-    uninitialized = []
-    try:
-        for name, sub in holding_meta:
-            reset = getattr(sub, "reset_parameters", None)
-            if not callable(reset):
-                uninitialized.append(type(sub).__name__)
-                continue
-
-            def refuse(tensor: str, op: str, name: str = name, sub: nn.Module = sub) -> ValueError:
-                who = f"`{name or 'the model'}.reset_parameters()` ({type(sub).__name__})"
-                return _overwrites_real(who, tensor, op)
-
-            with refusing_writes(protected, refuse):
-                reset()
-        now = dict((*module.named_parameters(), *module.named_buffers()))
-        for name, tensor in kept.items():
-            if (
-                now.get(name) is not tensor
-                or tensor.untyped_storage().data_ptr() != memory[name].untyped_storage().data_ptr()
-            ):
-                raise _overwrites_real("a `reset_parameters()`", name, "new memory in its place")
-    except BaseException:  # as before `setup`: the real tensors as they were, the others on meta again
-        _restore(module, kept, memory)
-        swap_module_tensors(module, lambda t: torch.empty_like(t, device="meta") if id(t) in made else t)
-        raise
-    if uninitialized:
-        warnings.warn(
-            "Parameter initialization incomplete. The following modules have parameters or buffers with"
-            " uninitialized memory because they don't define a `reset_parameters()` method for"
-            f" re-initialization: {', '.join(dict.fromkeys(uninitialized))}",
-            stacklevel=3,
-        )
-    return True
-
-
-def _restore(module: nn.Module, kept: dict[str, torch.Tensor], memory: dict[str, torch.Tensor]) -> None:
-    """Put each kept tensor back at its name, over the memory it had."""
-    for name, tensor in kept.items():
-        owner, _, attr = name.rpartition(".")
-        sub = module.get_submodule(owner)
-        table = sub._parameters if attr in sub._parameters else sub._buffers
-        table[attr] = tensor
-        if tensor.untyped_storage().data_ptr() != memory[name].untyped_storage().data_ptr():
-            tensor.data = memory[name]
-
-
-def _overwrites_real(who: str, tensor: str, how: str) -> ValueError:
-    return ValueError(
-        f"{who} would overwrite {tensor!r} ({how}), a real tensor the model held before `setup` (a part"
-        " loaded with `assign=True`?) in a model built under plain `torch.device('meta')`; `setup` keeps"
-        " real tensors. Build the model inside `acc.init_module(empty_init=True)` (its init is then"
-        " replayed on the meta tensors only), or materialize it yourself before `setup`."
-    )

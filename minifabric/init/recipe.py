@@ -16,6 +16,7 @@ for when torch's ``fully_shard`` or ``copy.deepcopy`` replaces the tensor object
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,6 +127,13 @@ class ModuleRecord(dict):
 def handle_of(t: Any) -> Handle | None:
     """The handle recorded for a tracked tensor, if any."""
     return RECORDS.get(t) if isinstance(t, torch.Tensor) else None
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (without importing ``torch.distributed.tensor``: if it is not
+    imported, no DTensor exists)."""
+    tensor_module = sys.modules.get("torch.distributed.tensor")
+    return tensor_module is not None and isinstance(t, tensor_module.DTensor)
 
 
 def module_record(module: nn.Module, create: bool = False) -> ModuleRecord | None:

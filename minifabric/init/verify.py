@@ -18,16 +18,17 @@ import os
 import random
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
 
-from minifabric._torch import module_construction_hook
+from minifabric._torch import module_construction_hook, tensor_version
 
 #: set to 1 to turn the self-check on for every ``init_module(empty_init=True)``
 VERIFY_ENV = "MINIFABRIC_VERIFY_INIT"
@@ -45,6 +46,8 @@ class _Construction:
     rng_before: torch.Tensor
     rng_after: torch.Tensor | None = None
     host_before: tuple = ()  # Python's and numpy's global random states before construction
+    #: name -> (the real tensor there when construction ended, its version counter then)
+    real: dict[str, tuple[weakref.ref, int]] = field(default_factory=dict)
 
 
 #: model built with the self-check on -> how it was built
@@ -79,6 +82,11 @@ def noting_constructions() -> Iterator[None]:
         stack.pop()
         if not stack and module in _BUILT:
             _BUILT[module].rng_after = torch.get_rng_state()
+            _BUILT[module].real = {
+                name: (weakref.ref(t), tensor_version(t))
+                for name, t in _named_tensors(module)
+                if not t.is_meta
+            }
 
     with module_construction_hook(on_start, on_end):
         yield
@@ -155,24 +163,33 @@ def self_check(
             " is not where eager construction leaves it: a random call in its `__init__` was not recorded."
             " Build it with `acc.init_module(empty_init=False)` (and report the model code)."
         )
-    expected = {
-        name: t.detach()
-        for name, t in [
-            *eager.named_parameters(remove_duplicate=False),
-            *eager.named_buffers(remove_duplicate=False),
-        ]
-    }
-    for name, t in [
-        *module.named_parameters(remove_duplicate=False),
-        *module.named_buffers(remove_duplicate=False),
-    ]:
-        if not t.is_meta and type(t) in (torch.Tensor, nn.Parameter):
+    expected = {name: t.detach() for name, t in _named_tensors(eager)}
+    for name, t in _named_tensors(module):
+        if _as_constructed(built, name, t):
             _compare(built.cls, name, t.detach().cpu(), expected)
 
     def check(name: str, full: torch.Tensor) -> None:
         _compare(built.cls, name, full, expected)
 
     return check
+
+
+def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+
+
+def _as_constructed(built: _Construction, name: str, t: torch.Tensor) -> bool:
+    """Whether ``t`` is the real tensor construction left at ``name``, unchanged since.
+
+    Only that is construction's value: a part put in later (``load_state_dict(..., assign=True)``)
+    or written in place after the block is kept by ``setup`` and not compared. Meta tensors are
+    compared as their replayed values are computed; DTensors are skipped (set up already).
+    """
+    noted = built.real.get(name)
+    if noted is None or t.is_meta or type(t) not in (torch.Tensor, nn.Parameter):
+        return False
+    ref, version = noted
+    return ref() is t and tensor_version(t) == version
 
 
 def _compare(cls: type, name: str, value: torch.Tensor, expected: dict[str, torch.Tensor]) -> None:

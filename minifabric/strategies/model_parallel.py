@@ -11,8 +11,10 @@ put it) and clipping, optimizers, meta-device init and checkpoints work as under
 2. FSDP over the data-parallel dimension for whatever the function did not shard with
    ``fully_shard`` (each repeated block, then the root), with the accelerator's precision as the
    mixed-precision policy unless the function chose one;
-3. materialization of a model built in ``init_module(empty_init=True)``: each parameter is
-   initialized at full size, exactly as one process would, and this rank keeps its slice.
+3. materialization of a model built in ``init_module(empty_init=True)``: each parameter now in the
+   model (also one that a module swapped in by ``parallelize_fn`` took over) is initialized at full
+   size, exactly as one process would, and this rank keeps its slice. A model built under plain
+   ``torch.device("meta")`` is materialized before step 1, as under ``"fsdp"``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from minifabric._torch import fsdp_policy, unresolved_plan_keys
 from minifabric.environment import DEFAULT_TIMEOUT
-from minifabric.init import materialize, recorded_places
+from minifabric.init import following_init_records, recorded_places
 from minifabric.strategies.compile import (
     Compiler,
     compile_children_in_place,
@@ -185,15 +187,25 @@ class ModelParallelStrategy(Strategy):
     # ---- modules -----------------------------------------------------------------------------
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Run ``parallelize_fn``, shard what it left plain over the data-parallel mesh, materialize."""
+        """Run ``parallelize_fn``, shard what it left plain over the data-parallel mesh, materialize.
+
+        A model built in ``init_module(empty_init=True)`` is materialized last, and what is
+        materialized is found by the tensors now in the model, not by the modules that held them
+        before ``parallelize_fn`` ran: a module it swapped in (``from_float``-style, taking over the
+        old ``Parameter`` objects) gets their values; a meta tensor it made without taking one over
+        is refused, naming it. A model built under plain ``torch.device("meta")`` is materialized
+        first, as under ``"fsdp"`` (each module's ``reset_parameters()``, Lightning Fabric's way).
+        """
         module, compiler = self._compiler(module)
-        places = recorded_places(module)  # raises before any collective if an init cannot be reproduced
+        places = self._recorded_places(module)  # raises before any collective if an init cannot be reproduced
         if not places:
-            module = module.to(self.root_device)
-        module = self.parallelize(module, compiler)
-        if places:
-            materialize(module, places, self.root_device, self.root_device)
-        return module
+            return self.parallelize(module.to(self.root_device), compiler)
+        with following_init_records(places):  # a record follows its tensor into a module the function built
+            parallelized = self.parallelize(module, compiler)
+        fn = getattr(self.parallelize_fn, "__name__", repr(self.parallelize_fn))
+        places = recorded_places(parallelized, rebuilt_by=f"parallelize_fn {fn!r}")
+        self._materialize(parallelized, places, self.root_device, self.root_device)
+        return parallelized
 
     def parallelize(self, module: nn.Module, compiler: Compiler | None = None) -> nn.Module:
         """Lay ``module`` out over the mesh where it is: precision, activation checkpointing, the plan, FSDP.

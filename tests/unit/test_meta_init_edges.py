@@ -1,0 +1,98 @@
+"""Meta-device init at its edges, in one process: zero-element parameters, the self-check and assigned
+parts, records that follow their tensors into swapped-in modules.
+
+The 2-rank tensor-parallel counterparts are in ``tests/distributed/test_model_parallel_meta.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from minifabric import Accelerator
+from minifabric.init import following_init_records, materialize, meta_init_context, recorded_places
+from tests.init_styles import mismatches
+from tests.meta_cases import Registers, SwappedLinear, fine_tune_with_verify
+
+
+def _acc(strategy: str) -> Accelerator:
+    acc = Accelerator(accelerator="cpu", devices=1, strategy=strategy)
+    acc.launch()
+    return acc
+
+
+@pytest.mark.parametrize("strategy", ["single", "fsdp"])
+def test_a_zero_element_parameter_never_written_is_set_up(strategy: str) -> None:
+    acc = _acc(strategy)
+    torch.manual_seed(0)
+    eager = Registers()
+    torch.manual_seed(0)
+    with acc.init_module(empty_init=True):
+        model = Registers()
+    model = acc.setup(model)
+    inner = getattr(model, "module", model)
+    assert inner.storage_tokens.shape == (1, 0, 8) and inner.prompts.shape == (0,)
+    assert not inner.storage_tokens.is_meta
+    assert mismatches(eager.proj, inner.proj) == []
+
+
+def test_a_parameter_with_elements_never_written_is_still_refused() -> None:
+    acc = _acc("single")
+    with acc.init_module(empty_init=True):
+        model = Registers(n_storage_tokens=0)
+        model.scale = nn.Parameter(torch.empty(3))
+    with pytest.raises(ValueError, match=r"parameter 'scale' of Registers .*never initialized"):
+        acc.setup(model)
+
+
+@pytest.mark.parametrize("strategy", ["single", "fsdp"])
+def test_the_self_check_keeps_a_part_loaded_with_assign(strategy: str) -> None:
+    """The contract keeps such a part; the self-check compares only what construction made."""
+    pretrained, eager, model = fine_tune_with_verify(_acc(strategy))
+    inner = getattr(model, "module", model)
+    assert mismatches(pretrained, inner.backbone) == []
+    assert mismatches(eager.head, inner.head) == []
+
+
+_COUNTER = itertools.count()
+
+
+class Counted(nn.Module):
+    """A buffer computed in ``__init__`` from state outside torch: a second build gives another value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.register_buffer("built", torch.tensor([float(next(_COUNTER))]))
+
+
+def test_the_self_check_still_compares_real_tensors_that_construction_made() -> None:
+    acc = _acc("single")
+    with acc.init_module(empty_init=True, verify=True):
+        model = Counted()
+    with pytest.raises(RuntimeError, match=r"Counted\.built differs from eager"):
+        acc.setup(model)
+
+
+def test_a_record_follows_its_parameter_into_a_module_swapped_in() -> None:
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    torch.manual_seed(0)
+    with meta_init_context():
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model = copy.deepcopy(model)  # a copy's tensors are known by their modules only, until the swap
+    with following_init_records(recorded_places(model)):
+        model[0] = SwappedLinear.from_float(model[0])
+        model[1].weight = nn.Parameter(torch.empty(2, 4, device="meta"))  # a new tensor: no record
+    with pytest.raises(
+        ValueError, match=r"parameter '1\.weight' of Sequential \(in Linear\).*after swap ran"
+    ):
+        recorded_places(model, rebuilt_by="swap")
+    model[1].weight = eager[1].weight  # a real tensor put in: kept
+    materialize(model, recorded_places(model, rebuilt_by="swap"))
+    assert isinstance(model[0], SwappedLinear)
+    assert mismatches(eager, model) == []
