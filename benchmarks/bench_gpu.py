@@ -32,7 +32,6 @@ A phase that fails is recorded with its error, the others still run, and the exi
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import shutil
@@ -58,7 +57,6 @@ FULL = dict(cfg=GPTConfig(vocab_size=32000, block_size=2048, n_layer=16, n_head=
             batch=4, rounds=5, steps=5, init_rounds=3, ckpt_rounds=2, warmup=2, backend="inductor")  # fmt: skip
 TINY = dict(cfg=GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64, tied=False),
             batch=2, rounds=2, steps=1, init_rounds=2, ckpt_rounds=2, warmup=1, backend="eager")  # fmt: skip
-ASYNC_SAVES = 3
 NA_CPU = "n/a on CPU"
 
 
@@ -304,9 +302,7 @@ def phase_init(bench: Bench) -> dict[str, Any]:
 
 
 def phase_checkpoint(bench: Bench) -> dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.tensor import DTensor
+    from benchmarks.gpu_checkpoint import measure_checkpoints
 
     acc = bench.accelerator("fsdp")
     torch.manual_seed(0)
@@ -315,79 +311,7 @@ def phase_checkpoint(bench: Bench) -> dict[str, Any]:
     model, optimizer = acc.setup(model, adamw(model))
     step = minifabric_step(acc, model, optimizer, bench.batch)
     step()  # AdamW state exists
-    state = {"model": model, "optimizer": optimizer}
-    inner, inner_opt = model.module, optimizer.optimizer
-
-    def raw_state() -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(inner, inner_opt)
-        return {"model": model_sd, "optimizer": optim_sd}
-
-    def local_bytes(tree: Any) -> int:
-        if isinstance(tree, dict):
-            return sum(local_bytes(v) for v in tree.values())
-        if isinstance(tree, (list, tuple)):
-            return sum(local_bytes(v) for v in tree)
-        if isinstance(tree, torch.Tensor):
-            local = tree.to_local() if isinstance(tree, DTensor) else tree
-            return local.numel() * local.element_size()
-        return 0
-
-    def raw_load(path: Path) -> None:
-        loaded = raw_state()
-        dcp.load(loaded, checkpoint_id=str(path))
-        set_state_dict(inner, inner_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
-
-    nbytes = local_bytes(raw_state())
-    saves: dict[str, list[float]] = {"minifabric": [], "raw_dcp": []}
-    loads: dict[str, list[float]] = {"minifabric": [], "raw_dcp": []}
-    for r in range(bench.size["ckpt_rounds"]):
-        paths = {"minifabric": bench.dir / f"mf-{r}", "raw_dcp": bench.dir / f"dcp-{r}"}
-        order = list(paths) if r % 2 == 0 else list(paths)[::-1]
-        save = {"minifabric": lambda p: acc.save(p, state), "raw_dcp": lambda p: dcp.save(raw_state(), checkpoint_id=str(p))}
-        load = {"minifabric": lambda p: acc.load(p, state), "raw_dcp": raw_load}
-        for name in order:
-            saves[name].append(bench.timed(functools.partial(save[name], paths[name])))
-        for name in order:
-            loads[name].append(bench.timed(functools.partial(load[name], paths[name])))
-        for path in paths.values():
-            shutil.rmtree(path)
-    sync_save = statistics.median(saves["minifabric"])
-
-    normal = statistics.median(bench.timed(step) for _ in range(5))
-    asynchronous = []
-    for i in range(ASYNC_SAVES):
-        path = bench.dir / f"async-{i}"
-        bench.sync()
-        start = time.perf_counter()
-        handle = acc.save(path, state, asynchronous=True)
-        bench.sync()
-        blocking = time.perf_counter() - start
-        extra, steps = 0.0, 0
-        while steps < 2 or (not handle.done() and steps < 10_000):
-            extra += bench.timed(step) - normal
-            steps += 1
-        waited = bench.timed(handle.wait)
-        lost = blocking + extra + waited
-        asynchronous.append({"blocking_s": blocking, "extra_step_s": extra, "steps_overlapped": steps,
-                             "wait_s": waited, "lost_s": lost, "lost_over_sync_save": lost / sync_save})  # fmt: skip
-        shutil.rmtree(path)
-        for _ in range(2):
-            step()
-    gb = nbytes / 1e9
-    return {
-        "state_bytes": nbytes,
-        "save_gb_per_s": {name: gb / statistics.median(t) for name, t in saves.items()},
-        "load_gb_per_s": {name: gb / statistics.median(t) for name, t in loads.items()},
-        "save_minifabric_over_raw_dcp_rate": statistics.median(s2 / s1 for s1, s2 in zip(saves["minifabric"], saves["raw_dcp"], strict=True)),
-        "load_minifabric_over_raw_dcp_rate": statistics.median(s2 / s1 for s1, s2 in zip(loads["minifabric"], loads["raw_dcp"], strict=True)),
-        "sync_save_s": sync_save,
-        "normal_step_s": normal,
-        "async_first": asynchronous[0],
-        "async_steady": asynchronous[2],
-        "async_all": asynchronous,
-        "per_round_s": {"save": saves, "load": loads},
-        "note": "loads read the files just written (page cache); the state is the model and its AdamW state",
-    }  # fmt: skip
+    return measure_checkpoints(bench, acc, model, optimizer, step)
 
 
 # ---- the card ----------------------------------------------------------------------------------
