@@ -11,7 +11,7 @@ import torch
 
 from minifabric import Accelerator
 from tests.gpu.common import CFG, CUDA_MARKS, batches
-from tests.helpers import PYTHON, REPO, Session, run_distributed
+from tests.helpers import PYTHON, REPO, Session, free_port, run_distributed
 from tests.models import GPT, gpt_loss
 
 pytestmark = CUDA_MARKS
@@ -26,7 +26,8 @@ def test_an_exception_on_a_cuda_rank_ends_the_run(launcher, strategy):
     if launcher == "python":
         cmd = [PYTHON, SCRIPT, *args]
     else:
-        cmd = [PYTHON, "-m", "minifabric", "run", "--accelerator", "cuda", "--devices", "1", SCRIPT, *args]
+        port = str(free_port())  # runs in parallel (pytest-xdist) must not share torchrun's default port
+        cmd = [PYTHON, "-m", "minifabric", "run", "--accelerator", "cuda", "--devices", "1", "--main-port", port, SCRIPT, *args]
     run = Session(cmd)
     code, _ = run.finish(timeout=180)  # fails if a process of the run is left
     assert code != 0, run.output
