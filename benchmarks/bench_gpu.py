@@ -87,10 +87,12 @@ class Bench:
         return acc
 
     def sync(self) -> None:
+        """Wait for the GPU (nothing on the CPU)."""
         if self.cuda:
             torch.cuda.synchronize()
 
     def timed(self, fn: Callable[[], Any]) -> float:
+        """Seconds ``fn()`` takes, the GPU work it queued included."""
         self.sync()
         start = time.perf_counter()
         fn()
@@ -98,11 +100,13 @@ class Bench:
         return time.perf_counter() - start
 
     def free(self) -> None:
+        """Collect garbage and return cached GPU blocks, so the next build starts alike."""
         gc.collect()
         if self.cuda:
             torch.cuda.empty_cache()
 
     def memory_start(self) -> int | None:
+        """Reset the peak; the bytes allocated now (``None`` on the CPU)."""
         if not self.cuda:
             return None
         self.sync()
@@ -110,12 +114,15 @@ class Bench:
         return torch.cuda.memory_allocated()
 
     def memory_peak(self, start: int | None) -> int | None:
+        """The peak allocated since ``memory_start`` above what was allocated then."""
         return None if start is None else torch.cuda.max_memory_allocated() - start
 
     def tokens(self) -> int:
+        """Tokens per step."""
         return self.batch.shape[0] * self.cfg.block_size
 
     def flops_per_token(self) -> int:
+        """6N + 12*L*d*T, N without the embedding tables (lookups do no FLOPs)."""
         with torch.device("meta"):
             model = GPT(self.cfg)
         tables = {id(p) for p in (*model.wte.parameters(), *model.wpe.parameters())}
@@ -123,6 +130,7 @@ class Bench:
         return 6 * n + 12 * self.cfg.n_layer * self.cfg.n_embd * self.cfg.block_size
 
     def throughput(self, step_seconds: float) -> dict[str, float]:
+        """Step time, tokens/s and MFU against ``--peak-tflops``."""
         tokens_per_s = self.tokens() / step_seconds
         return {
             "step_s": step_seconds,
@@ -163,10 +171,12 @@ def hand_fsdp(bench: Bench, compiled: bool) -> GPT:
 
 
 def adamw(model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer of every loop."""
     return torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
 def minifabric_step(acc: Accelerator, model: nn.Module, optimizer: Any, batch: torch.Tensor) -> Callable[[], None]:
+    """One training step through the accelerator."""
     def step() -> None:
         acc.backward(gpt_loss(model, batch))
         optimizer.step()
@@ -176,6 +186,7 @@ def minifabric_step(acc: Accelerator, model: nn.Module, optimizer: Any, batch: t
 
 
 def plain_step(model: nn.Module, optimizer: Any, batch: torch.Tensor, autocast: Any = None) -> Callable[[], None]:
+    """One hand-written training step (forward under ``autocast()`` when given)."""
     def step() -> None:
         if autocast is None:
             loss = gpt_loss(model, batch)
@@ -204,11 +215,13 @@ def interleaved(bench: Bench, loops: dict[str, Callable[[], Any]], rounds: int, 
 
 
 def ratio(times: dict[str, list[float]], a: str, b: str) -> dict[str, Any]:
+    """``a`` over ``b`` in each round, and the median of those ratios."""
     per_round = [x / y for x, y in zip(times[a], times[b], strict=True)]
     return {"median": statistics.median(per_round), "per_round": per_round}
 
 
 def warm(bench: Bench, step: Callable[[], None], memory: int | None) -> int | None:
+    """Warm-up steps; the loop's peak memory since ``memory`` (its build included)."""
     for _ in range(bench.size["warmup"]):
         step()
     bench.sync()
@@ -238,6 +251,7 @@ def compare(bench: Bench, ref: str, ours: Callable[[], Callable], theirs: Callab
 
 
 def phase_step(bench: Bench, compiled: bool) -> dict[str, Any]:
+    """``strategy="fsdp"`` against hand-written FSDP2, eager or with each block compiled."""
     def ours() -> Callable[[], None]:
         acc = bench.accelerator("fsdp")
         with acc.init_module(empty_init=True):
@@ -254,6 +268,7 @@ def phase_step(bench: Bench, compiled: bool) -> dict[str, Any]:
 
 
 def phase_single(bench: Bench) -> dict[str, Any]:
+    """``strategy="single"`` against a plain ``torch.autocast`` loop."""
     def ours() -> Callable[[], None]:
         acc = bench.accelerator("single")
         with acc.init_module():
@@ -271,6 +286,7 @@ def phase_single(bench: Bench) -> dict[str, Any]:
 
 
 def phase_init(bench: Bench) -> dict[str, Any]:
+    """Meta init + setup against the torchtitan pattern and against eager construction + setup."""
     def build(kind: str) -> Callable[[], None]:
         def run() -> None:
             torch.manual_seed(0)
@@ -302,6 +318,7 @@ def phase_init(bench: Bench) -> dict[str, Any]:
 
 
 def phase_checkpoint(bench: Bench) -> dict[str, Any]:
+    """Save/load rates against raw DCP and the async-save loss (``gpu_checkpoint.py``)."""
     from benchmarks.gpu_checkpoint import measure_checkpoints
 
     acc = bench.accelerator("fsdp")
@@ -352,6 +369,7 @@ def table(card: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the phases, write the card after each, print the table; 1 if a phase failed."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="the JSON file to write")
     parser.add_argument("--tiny", action="store_true", help="CPU dry run with a tiny model (gloo, world size 1)")
