@@ -56,6 +56,12 @@ def cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {_name(n): _whole(t) for n, t in [*model.named_parameters(), *model.named_buffers()]}
 
 
+def mismatches(expected: nn.Module, actual: nn.Module) -> list[str]:
+    """Names whose values differ (bitwise) between two models, or that only one of them has."""
+    a, b = cpu_state(expected), cpu_state(actual)
+    return sorted(set(a) ^ set(b)) + [k for k in a if k in b and not torch.equal(a[k], b[k])]
+
+
 def adam_moments(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """Each parameter's first Adam moment as a full CPU tensor, by parameter name."""
     names = {id(p): _name(n) for n, p in model.named_parameters()}

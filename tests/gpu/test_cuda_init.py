@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from minifabric import Accelerator
-from tests.gpu.common import CUDA_MARKS
+from tests.gpu.common import CUDA_MARKS, mismatches
 from tests.helpers import run_distributed
-from tests.init_styles import NanoGPTStyle, mismatches
+from tests.init_styles import NanoGPTStyle
 
 pytestmark = CUDA_MARKS
 
