@@ -402,7 +402,9 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         try:
             card[name] = runs[name](bench)
-        except Exception as err:  # recorded, and the run exits 1
+        except BaseException as err:  # recorded, and the run exits 1 (DCP's CheckpointException is a BaseException)
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise
             traceback.print_exc()
             card[name] = {"error": f"{type(err).__name__}: {err}"}
             failed.append(name)
