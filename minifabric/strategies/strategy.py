@@ -44,6 +44,7 @@ from minifabric.strategies.compile import (
     resolve_compiler,
     split_compiled,
 )
+from minifabric.strategies.rank_zero_init import adopt_rank_zero_init
 
 if TYPE_CHECKING:
     from lightning_fabric.plugins.environments import ClusterEnvironment
@@ -250,11 +251,15 @@ class Strategy:
         """Give ``module``'s meta tensors their eager values (:func:`minifabric.init.materialize`).
 
         Any parameter layout works (plain tensors, DTensors of any placement on any mesh), so a
-        strategy calls this after placing the model. A model built with the self-check on is
-        compared with an eager build on rank 0; a difference raises on every rank.
+        strategy calls this after placing the model. With several ranks, each replays rank 0's random
+        draws (a script may seed each rank differently before building the model: rank 0's model is
+        the one set up, as under DDP). A model built with the self-check on is compared with an eager
+        build on rank 0; a difference raises on every rank.
         """
         if not places:
             return
+        if self.world_size > 1:  # per-rank seeds before construction: every rank replays rank 0's draws
+            adopt_rank_zero_init(places, self.global_rank, self.broadcast, self.any_rank)
         if not wants_check(module):
             materialize(module, places, device, buffer_device)
             return
