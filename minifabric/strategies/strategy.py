@@ -362,17 +362,20 @@ class Strategy:
         """Return ``src``'s object on every rank (all ranks of the run: the default process group)."""
         return collectives.broadcast_object(obj, src)
 
-    def all_gather(self, data: Any) -> Any:
-        """Stack every rank's tensors along a new first dimension (all ranks: the default process group)."""
-        return collectives.all_gather(data, self.root_device)
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Stack every rank's tensors along a new first dimension (all ranks, or those of ``group``).
 
-    def all_reduce(self, data: Any, reduce_op: str = "mean") -> Any:
-        """Reduce tensors (or numbers) over all ranks of the run (the default process group).
+        With ``sync_grads`` the gathered tensor carries gradients back to each rank's input.
+        """
+        return collectives.all_gather(data, self.root_device, group, sync_grads)
+
+    def all_reduce(self, data: Any, reduce_op: Any = "mean", group: Any = None) -> Any:
+        """Reduce tensors (or numbers) over all ranks of the run (the default process group), or ``group``.
 
         Under tensor parallelism too: the ranks of one tensor-parallel group hold the same batch, so
         a mean over all ranks equals the mean over the data-parallel groups.
         """
-        return collectives.all_reduce(data, reduce_op, self.root_device)
+        return collectives.all_reduce(data, reduce_op, self.root_device, group)
 
     # ---- checkpoints -------------------------------------------------------------------------
 
