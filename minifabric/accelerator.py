@@ -585,25 +585,38 @@ class Accelerator:
         self._ensure_launched()
         return self._strategy.broadcast(obj, src)
 
-    def all_gather(self, data: Any) -> Any:
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
         """Gather tensors (or collections of them) from every rank, stacked on a new first dimension.
 
         As in Fabric, with one process the tensors come back as they are (no new dimension).
+
+        Args:
+            data: a tensor, number, or a collection of them; the same shapes on every rank.
+            group: a ``torch.distributed`` process group to gather over (default: all ranks); call it
+                on the group's ranks only.
+            sync_grads: keep the result in the autograd graph (a contrastive loss over the whole
+                batch): the gradients of each rank's slice flow back to that rank's tensor.
         """
         self._ensure_launched()
-        return self._strategy.all_gather(data)
+        return self._strategy.all_gather(data, group=group, sync_grads=sync_grads)
 
-    def all_reduce(self, data: Any, reduce_op: str = "mean") -> Any:
+    def all_reduce(self, data: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Reduce tensors over all ranks (``"mean"``, ``"sum"``, ``"max"``, ``"min"``), in place.
 
         As in Fabric, every tensor in ``data`` receives the result and is returned (numbers come
-        back as new tensors).
+        back as new tensors). The arguments are Fabric's, in its order: pass ``reduce_op`` by name.
+
+        Args:
+            data: a tensor, number, or a collection of them.
+            group: a ``torch.distributed`` process group to reduce over (default: all ranks).
+            reduce_op: the reduction, a name or a ``torch.distributed.ReduceOp`` (SUM, AVG, MAX, MIN).
 
         Raises:
-            TypeError: ``"mean"`` of an integer tensor (the mean cannot be stored in it).
+            TypeError: ``"mean"`` of an integer tensor (the mean cannot be stored in it), or a
+                ``group`` that is not a process group (``acc.all_reduce(x, "sum")``).
         """
         self._ensure_launched()
-        return self._strategy.all_reduce(data, reduce_op)
+        return self._strategy.all_reduce(data, reduce_op=reduce_op, group=group)
 
     @staticmethod
     def seed_everything(seed: int | None = None, workers: bool | None = None, verbose: bool = True) -> int:

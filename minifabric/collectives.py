@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minifabric._torch import tree_map
+from minifabric._torch import differentiable_all_gather, tree_map
 from minifabric.signals import PeerFailed
 
 _REDUCE_OPS = {
@@ -86,13 +86,70 @@ def _as_tensor(data: Any, device: torch.device) -> torch.Tensor:
     return data if isinstance(data, torch.Tensor) else torch.tensor(data, device=device)
 
 
-def all_reduce(data: Any, reduce_op: str, device: torch.device) -> Any:
-    """Reduce every tensor (or number) in ``data`` over all ranks: ``"mean"``, ``"sum"``, ``"max"``, ``"min"``."""
-    if reduce_op not in _REDUCE_OPS:
+def check_group(group: Any) -> None:
+    """Refuse a ``group=`` that is not a process group this rank belongs to (torch would skip the call).
+
+    Raises:
+        TypeError: ``group`` is not a ``torch.distributed.ProcessGroup`` (nor None).
+        ValueError: this rank is not a member of ``group``.
+    """
+    if group is None:
+        return
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what `new_group` returns on the ranks outside it
         raise ValueError(
-            f"Unknown reduce_op={reduce_op!r}. Choose one of {', '.join(map(repr, _REDUCE_OPS))}."
+            f"This rank ({dist.get_rank()}) is not in the group passed as group=: `new_group` returned"
+            " GroupMember.NON_GROUP_MEMBER here. Call the collective only on the group's ranks:"
+            " `if torch.distributed.get_rank(group) >= 0: acc.all_reduce(x, group=group)`."
         )
-    world = _world_size()
+    if not isinstance(group, dist.ProcessGroup):
+        hint = (
+            ' The reduce op follows the group, as in Fabric: `acc.all_reduce(x, reduce_op="sum")`.'
+            if isinstance(group, str)
+            else ""
+        )
+        raise TypeError(
+            f"group={group!r} is not a torch.distributed ProcessGroup. Pass None (all ranks) or a group,"
+            f" e.g. `group = torch.distributed.new_group([0, 1])` on every rank, then `acc.all_gather(x, group=group)`.{hint}"
+        )
+    if dist.get_rank(group) < 0:
+        raise ValueError(
+            f"This rank ({dist.get_rank()}) is not in the group passed as group=, so torch would skip the"
+            " collective and return the input unchanged. Call it only on the group's ranks:"
+            " `if torch.distributed.get_rank(group) >= 0: acc.all_reduce(x, group=group)`."
+        )
+
+
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def _reduce_op_name(reduce_op: Any) -> str:
+    """``"mean"``, ``"sum"``, ``"max"`` or ``"min"`` for a name or a ``torch.distributed.ReduceOp`` (as Fabric takes)."""
+    if isinstance(reduce_op, str) and reduce_op in _REDUCE_OPS:
+        return reduce_op
+    by_op = {
+        dist.ReduceOp.SUM: "sum",
+        dist.ReduceOp.AVG: "mean",
+        dist.ReduceOp.MAX: "max",
+        dist.ReduceOp.MIN: "min",
+    }
+    if not isinstance(reduce_op, str):
+        for op, name in by_op.items():
+            if reduce_op == op:
+                return name
+    raise ValueError(
+        f"Unknown reduce_op={reduce_op!r}. Choose one of {', '.join(map(repr, _REDUCE_OPS))}"
+        " (or torch.distributed.ReduceOp.SUM, AVG, MAX, MIN)."
+    )
+
+
+def all_reduce(
+    data: Any, reduce_op: Any, device: torch.device, group: dist.ProcessGroup | None = None
+) -> Any:
+    """Reduce every tensor (or number) in ``data`` over all ranks (or ``group``'s): ``"mean"``, ``"sum"``, ``"max"``, ``"min"``."""
+    reduce_op = _reduce_op_name(reduce_op)
+    check_group(group)
+    world = _group_size(group)
 
     def reduce(value: Any) -> Any:
         if not isinstance(value, (torch.Tensor, int, float)):
@@ -101,19 +158,21 @@ def all_reduce(data: Any, reduce_op: str, device: torch.device) -> Any:
             tensor = torch.tensor(value, device=device)
             if reduce_op == "mean" and not tensor.is_floating_point():
                 tensor = tensor.double()
-            return _reduce_in_place(tensor, reduce_op, world, device)
+            return _reduce_in_place(tensor, reduce_op, world, device, group)
         if reduce_op == "mean" and not (value.is_floating_point() or value.is_complex()):
             raise TypeError(
                 f'all_reduce(reduce_op="mean") writes the mean into the tensor in place, but this tensor is'
                 f' {value.dtype}. Reduce a float copy: `acc.all_reduce(t.double())`, or use reduce_op="sum".'
             )
-        return _reduce_in_place(value, reduce_op, world, device)
+        return _reduce_in_place(value, reduce_op, world, device, group)
 
     return tree_map(reduce, data)
 
 
-def _reduce_in_place(tensor: torch.Tensor, reduce_op: str, world: int, device: torch.device) -> torch.Tensor:
-    """Reduce ``tensor`` over all ranks into itself (as Fabric does) and return it.
+def _reduce_in_place(
+    tensor: torch.Tensor, reduce_op: str, world: int, device: torch.device, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Reduce ``tensor`` over the ranks of ``group`` into itself (as Fabric does) and return it.
 
     Outside autograd: reducing a loss before ``backward`` changes its value, not its gradients.
     """
@@ -121,7 +180,7 @@ def _reduce_in_place(tensor: torch.Tensor, reduce_op: str, world: int, device: t
         return tensor
     with torch.no_grad():
         work = tensor.to(device).contiguous()  # the backend's device, e.g. a CPU tensor under NCCL
-        dist.all_reduce(work, op=_REDUCE_OPS[reduce_op])
+        dist.all_reduce(work, op=_REDUCE_OPS[reduce_op], group=group)
         if reduce_op == "mean":
             work.div_(world)
         if work is not tensor:
@@ -129,12 +188,18 @@ def _reduce_in_place(tensor: torch.Tensor, reduce_op: str, world: int, device: t
     return tensor
 
 
-def all_gather(data: Any, device: torch.device) -> Any:
-    """Gather every tensor in ``data`` from all ranks, stacked along a new first dimension.
+def all_gather(
+    data: Any, device: torch.device, group: dist.ProcessGroup | None = None, sync_grads: bool = False
+) -> Any:
+    """Gather every tensor in ``data`` from all ranks (or ``group``'s), stacked along a new first dimension.
 
-    With one process the tensors come back without a new dimension, as in Lightning Fabric.
+    With one process the tensors come back without a new dimension, as in Lightning Fabric. With
+    ``sync_grads`` the result is part of the autograd graph (as Fabric's, through
+    ``torch.distributed.nn.functional.all_gather``): the gradient each rank's slice receives on any
+    rank is summed back into that rank's tensor.
     """
-    world = _world_size()
+    check_group(group)
+    world = _group_size(group)
 
     def gather(value: Any) -> Any:
         if not isinstance(value, (torch.Tensor, int, float)):
@@ -145,14 +210,16 @@ def all_gather(data: Any, device: torch.device) -> Any:
         shape = torch.tensor(tensor.shape, dtype=torch.long, device=device)
         shapes = [torch.empty_like(shape) for _ in range(world)]
         if shape.numel():
-            dist.all_gather(shapes, shape)
+            dist.all_gather(shapes, shape, group=group)
         if any(not torch.equal(s, shape) for s in shapes):
             raise ValueError(
                 f"all_gather needs the same shape on every rank, got {[tuple(s.tolist()) for s in shapes]}."
                 " Pad the tensors to one shape first (and gather the true lengths separately)."
             )
+        if sync_grads:
+            return torch.stack(differentiable_all_gather(tensor, group))
         out = [torch.empty_like(tensor) for _ in range(world)]
-        dist.all_gather(out, tensor)
+        dist.all_gather(out, tensor, group=group)
         return torch.stack(out)
 
     return tree_map(gather, data)

@@ -321,7 +321,7 @@ def resolve(
         if isinstance(strategy, Strategy)
         else strategy_from_string(strategy, world_size, **strategy_options)
     )
-    strategy_obj.spawn_only = spawn_only
+    strategy_obj.spawn_only = spawn_only or strategy_obj.spawn_only  # or DDPStrategy(start_method="spawn")
     strategy_obj.connect(
         environment=env,
         device=device,

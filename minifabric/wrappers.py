@@ -64,6 +64,39 @@ class _WrappedModule(nn.Module):
         """The user's module."""
         return self._original_module
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """Whether backward synchronizes gradients (DDP's attribute, set by nanoGPT-style accumulation).
+
+        ``model.require_backward_grad_sync = False`` pauses gradient communication until it is set
+        to True again, under every strategy, as ``acc.no_backward_sync(model)`` does for a block:
+        set it True before the backward of the last micro-batch.
+
+        Example:
+            >>> import torch
+            >>> from minifabric import Accelerator
+            >>> model = Accelerator(accelerator="cpu").setup(torch.nn.Linear(2, 2))
+            >>> model.require_backward_grad_sync = False  # micro-batches that only accumulate
+            >>> model.require_backward_grad_sync = True  # the last one synchronizes
+        """
+        return self.__dict__.get("_sync_paused") is None
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"require_backward_grad_sync must be True or False, got {value!r}:"
+                " `model.require_backward_grad_sync = (micro_step == accumulation_steps - 1)`."
+            )
+        paused = self.__dict__.get("_sync_paused")
+        if not value and paused is None:
+            context = self._strategy.no_backward_sync(self._forward_module, True)
+            context.__enter__()
+            self.__dict__["_sync_paused"] = context
+        elif value and paused is not None:
+            del self.__dict__["_sync_paused"]
+            paused.__exit__(None, None, None)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         precision = self._strategy.precision
         args, kwargs = precision.convert_input((args, kwargs))

@@ -229,7 +229,7 @@ def evaluate(max_chunks: int | None = None) -> float:
         if mine[i : i + args.batch_size]:
             total, count = total + loss.float(), count + y.numel()
     model.train()
-    total, count = acc.all_reduce(total, "sum"), acc.all_reduce(count, "sum")
+    total, count = acc.all_reduce(total, reduce_op="sum"), acc.all_reduce(count, reduce_op="sum")
     return (total / count).item()
 
 
@@ -277,7 +277,7 @@ while step < args.max_steps:
     scheduler.step()
     step += 1
 
-    train_loss = acc.all_reduce(loss_sum, "mean").item()
+    train_loss = acc.all_reduce(loss_sum, reduce_op="mean").item()
     val_loss = evaluate(eval_chunks) if step % args.eval_interval == 0 or step == args.max_steps else None
     history.append((step, train_loss, val_loss))
     if acc.is_global_zero:  # the progress bar

@@ -28,6 +28,25 @@ def at_backward_end(callback: Callable[[], None]) -> bool:
     return True
 
 
+def differentiable_all_gather(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (of ``group``), in rank order, inside the autograd graph.
+
+    ``torch.distributed.nn.functional.all_gather``, as Lightning Fabric's ``sync_grads=True`` uses:
+    its backward sums each slice's gradients from every rank (reduce-scatter on NCCL, all-to-all
+    elsewhere, so it runs on gloo). torch marks it deprecated in favour of the functional
+    collectives, whose backward needs a reduce-scatter that gloo lacks; its warning is silenced here,
+    for this call only.
+    """
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.nn.functional import all_gather
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*all_gather is deprecated", category=FutureWarning)
+        return list(all_gather(tensor, group=group if group is not None else dist.group.WORLD))
+
+
 def checkpoint_activations(module: nn.Module) -> None:
     """Recompute ``module``'s activations in backward instead of storing them.
 

@@ -34,8 +34,13 @@ class DDPStrategy(Strategy):
         timeout: collective timeout. process_group_backend: override gloo/nccl.
         compile: ``True`` or ``torch.compile`` keyword arguments: compile the DDP-wrapped model (DDP
             splits the graph at its gradient buckets); see :class:`~minifabric.Strategy`.
+        start_method: Lightning Fabric's: ``"popen"`` (default) re-runs the script per process at
+            ``acc.launch()``; ``"spawn"`` and ``"forkserver"`` start processes that run a function,
+            ``acc.launch(train)`` (``launch()`` without one raises, as in Fabric). ``"fork"`` is refused:
+            processes are spawned, not forked.
         **ddp_kwargs: passed to ``DistributedDataParallel`` (``static_graph``,
-            ``gradient_as_bucket_view``, ``find_unused_parameters``, ``bucket_cap_mb``, ...).
+            ``gradient_as_bucket_view``, ``find_unused_parameters``, ``bucket_cap_mb``, ...);
+            a name it does not take raises here.
 
     Example:
         >>> from minifabric import Accelerator, DDPStrategy
@@ -53,9 +58,12 @@ class DDPStrategy(Strategy):
         timeout: timedelta | float = DEFAULT_TIMEOUT,
         process_group_backend: str | None = None,
         compile: CompileOption = False,
+        start_method: str = "popen",
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__(timeout=timeout, process_group_backend=process_group_backend, compile=compile)
+        self.spawn_only = _spawn_only(start_method)
+        _check_ddp_kwargs(ddp_kwargs)
         if comm_hook is None and (comm_state is not None or comm_wrapper is not None):
             raise ValueError(
                 "DDPStrategy got `comm_state`/`comm_wrapper` without `comm_hook`. Pass the hook too, e.g."
@@ -122,6 +130,34 @@ class DDPStrategy(Strategy):
         if enabled and isinstance(module, DistributedDataParallel):
             return module.no_sync()
         return nullcontext()
+
+
+def _spawn_only(start_method: Any) -> bool:
+    """Whether Fabric's ``start_method`` means ``launch`` must be given a function."""
+    if start_method in ("spawn", "forkserver"):
+        return True
+    if start_method == "popen":
+        return False
+    fix = ' Use `DDPStrategy(start_method="spawn")` with `acc.launch(train)`, or the default "popen".'
+    if start_method == "fork":
+        raise ValueError(
+            'DDPStrategy(start_method="fork"): minifabric spawns processes, it does not fork them'
+            " (a forked rank inherits threads and CUDA state it cannot use)." + fix
+        )
+    raise ValueError(f"Unknown start_method={start_method!r}.{fix}")
+
+
+def _check_ddp_kwargs(ddp_kwargs: dict[str, Any]) -> None:
+    """Refuse, at construction, a keyword argument that ``DistributedDataParallel`` does not take."""
+    accepted = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
+    unknown = sorted(set(ddp_kwargs) - accepted - {"device_ids"})
+    if unknown or "device_ids" in ddp_kwargs:
+        names = ", ".join(map(repr, unknown or ["device_ids"]))
+        raise TypeError(
+            f"DDPStrategy got keyword arguments that DistributedDataParallel does not take here: {names}."
+            " DDPStrategy passes on DDP's own options (e.g. `DDPStrategy(static_graph=True,"
+            " find_unused_parameters=True)`); the device comes from `Accelerator(devices=...)`."
+        )
 
 
 _BF16_HOOKS = {"bf16_compress_hook", "bf16_compress_wrapper", "bf16_compress_wrapper_hook"}

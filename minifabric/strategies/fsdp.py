@@ -52,6 +52,7 @@ from minifabric.strategies.fsdp_wrap import (
     shard_module,
     sharded_submodules,
 )
+from minifabric.strategies.rank_zero_init import keep_rank_zero_tensors
 from minifabric.strategies.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -264,8 +265,11 @@ class FSDPStrategy(Strategy):
         """Shard ``module`` in place (blocks, then root) and materialize it if it was built on meta."""
         module, compiler = self._compiler(module)
         places = self._recorded_places(module)  # raises before any collective if an init cannot be reproduced
-        if self.sync_module_states and not places and not isinstance(module, FSDPModule):
-            broadcast_module_states(module, self.root_device)
+        if self.world_size > 1 and not isinstance(module, FSDPModule):
+            if self.sync_module_states and not places:
+                broadcast_module_states(module, self.root_device)
+            else:  # each rank keeps its slice: they must all be slices of rank 0's model, as under DDP
+                keep_rank_zero_tensors(module, self.root_device, self.broadcast, self.any_rank)
         module = self.precision.convert_module(module)
         apply_activation_checkpointing(module, self.activation_checkpointing_policy)
         blocks = [] if isinstance(module, FSDPModule) else self._blocks(module)

@@ -239,23 +239,37 @@ def shard_norms_in_float32(module: nn.Module, settings: ShardSettings) -> None:
     mixed precision), the layer keeps float32 weights and statistics and takes the low-precision
     activations as they are; its output stays in their dtype.
     """
-    mp_policy = settings.mp_policy
-    if mp_policy.param_dtype in (None, torch.float32):
-        return
-    keep = MixedPrecisionPolicy(reduce_dtype=mp_policy.reduce_dtype, cast_forward_inputs=False)
     for sub in list(module.modules()):
-        if (
-            sub is not module
-            and isinstance(sub, _BATCH_NORMS)
-            and not isinstance(sub, FSDPModule)
-            and any(True for _ in sub.parameters(recurse=False))
-        ):
-            dataclasses.replace(settings, mp_policy=keep).apply(sub)
+        if sub is not module and _is_low_precision_norm(sub, settings.mp_policy):
+            dataclasses.replace(settings, mp_policy=_float32_norm_policy(settings.mp_policy)).apply(sub)
+
+
+def _is_low_precision_norm(module: nn.Module, mp_policy: MixedPrecisionPolicy) -> bool:
+    """Whether ``module`` is an unsharded batch norm with weights that ``mp_policy`` would cast down."""
+    return (
+        mp_policy.param_dtype not in (None, torch.float32)
+        and isinstance(module, _BATCH_NORMS)
+        and not isinstance(module, FSDPModule)
+        and any(True for _ in module.parameters(recurse=False))
+    )
+
+
+def _float32_norm_policy(mp_policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
+    """``mp_policy`` for a batch norm: float32 weights, activations taken in the dtype they come in."""
+    return MixedPrecisionPolicy(
+        reduce_dtype=mp_policy.reduce_dtype, output_dtype=mp_policy.output_dtype, cast_forward_inputs=False
+    )
 
 
 def shard_module(module: nn.Module, settings: ShardSettings) -> nn.Module:
-    """``fully_shard`` one module in place (its batch norms first, in float32) and return it."""
+    """``fully_shard`` one module in place (its batch norms first, in float32) and return it.
+
+    A batch norm that is itself the unit (auto-wrap picks the repeated ``BatchNorm2d`` layers of a
+    DCGAN's ``nn.Sequential``) keeps float32 weights too.
+    """
     shard_norms_in_float32(module, settings)
+    if _is_low_precision_norm(module, settings.mp_policy):
+        settings = dataclasses.replace(settings, mp_policy=_float32_norm_policy(settings.mp_policy))
     settings.apply(module)
     return module
 

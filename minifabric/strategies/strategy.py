@@ -44,6 +44,7 @@ from minifabric.strategies.compile import (
     resolve_compiler,
     split_compiled,
 )
+from minifabric.strategies.rank_zero_init import adopt_rank_zero_init
 
 if TYPE_CHECKING:
     from lightning_fabric.plugins.environments import ClusterEnvironment
@@ -250,11 +251,15 @@ class Strategy:
         """Give ``module``'s meta tensors their eager values (:func:`minifabric.init.materialize`).
 
         Any parameter layout works (plain tensors, DTensors of any placement on any mesh), so a
-        strategy calls this after placing the model. A model built with the self-check on is
-        compared with an eager build on rank 0; a difference raises on every rank.
+        strategy calls this after placing the model. With several ranks, each replays rank 0's random
+        draws (a script may seed each rank differently before building the model: rank 0's model is
+        the one set up, as under DDP). A model built with the self-check on is compared with an eager
+        build on rank 0; a difference raises on every rank.
         """
         if not places:
             return
+        if self.world_size > 1:  # per-rank seeds before construction: every rank replays rank 0's draws
+            adopt_rank_zero_init(places, self.global_rank, self.broadcast, self.any_rank)
         if not wants_check(module):
             materialize(module, places, device, buffer_device)
             return
@@ -360,17 +365,20 @@ class Strategy:
         """Return ``src``'s object on every rank (all ranks of the run: the default process group)."""
         return collectives.broadcast_object(obj, src)
 
-    def all_gather(self, data: Any) -> Any:
-        """Stack every rank's tensors along a new first dimension (all ranks: the default process group)."""
-        return collectives.all_gather(data, self.root_device)
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Stack every rank's tensors along a new first dimension (all ranks, or those of ``group``).
 
-    def all_reduce(self, data: Any, reduce_op: str = "mean") -> Any:
-        """Reduce tensors (or numbers) over all ranks of the run (the default process group).
+        With ``sync_grads`` the gathered tensor carries gradients back to each rank's input.
+        """
+        return collectives.all_gather(data, self.root_device, group, sync_grads)
+
+    def all_reduce(self, data: Any, reduce_op: Any = "mean", group: Any = None) -> Any:
+        """Reduce tensors (or numbers) over all ranks of the run (the default process group), or ``group``.
 
         Under tensor parallelism too: the ranks of one tensor-parallel group hold the same batch, so
         a mean over all ranks equals the mean over the data-parallel groups.
         """
-        return collectives.all_reduce(data, reduce_op, self.root_device)
+        return collectives.all_reduce(data, reduce_op, self.root_device, group)
 
     # ---- checkpoints -------------------------------------------------------------------------
 

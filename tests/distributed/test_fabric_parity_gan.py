@@ -4,7 +4,8 @@ Fabric's DCGAN example draws the generator's noise from the global random stream
 after iterating a set-up loader; the losses match Fabric's only if that stream does. Fabric's FSDP
 needs a GPU, so on CPU minifabric's "fsdp" is compared with Fabric's "ddp" (equal in fp32 up to the
 order in which gradients are summed), and
-"fsdp" + "bf16-mixed" (batch norms next to bf16 activations) must run.
+"fsdp" + "bf16-mixed" (auto-wrap makes each repeated ``BatchNorm2d`` its own unit, next to bf16
+activations) must run and give the losses of "ddp" + "bf16-mixed".
 """
 
 from __future__ import annotations
@@ -36,5 +37,9 @@ def test_gan_losses_equal_fabrics_under_ddp_and_fsdp(tmp_path):
     assert flat == pytest.approx(
         [loss for rank in fabric for step in rank for loss in step], rel=1e-4, abs=1e-6
     )
-    mixed = _run(tmp_path, "minifabric", "fsdp", "bf16-mixed")
+    mixed = _run(tmp_path, "minifabric", "fsdp", "bf16-mixed")  # each BatchNorm2d is its own unit
     assert len(mixed) == 2 and len(mixed[0]) == len(fabric[0])
+    autocast = _run(tmp_path, "minifabric", "ddp", "bf16-mixed")  # float32 batch norms under autocast
+    assert [loss for rank in mixed for step in rank for loss in step] == pytest.approx(
+        [loss for rank in autocast for step in rank for loss in step], rel=1e-2, abs=1e-4
+    )

@@ -27,11 +27,14 @@ NZ, NGF, NDF, NC = 8, 4, 4, 1
 class Generator(nn.Module):
     def __init__(self):
         super().__init__()
-        self.main = nn.Sequential(
+        self.main = nn.Sequential(  # repeated layers, as Fabric's DCGAN: auto-wrap shards each one
             nn.ConvTranspose2d(NZ, NGF * 2, 4, 1, 0, bias=False),  # 4 x 4
             nn.BatchNorm2d(NGF * 2),
             nn.ReLU(True),
-            nn.ConvTranspose2d(NGF * 2, NC, 4, 2, 1, bias=False),  # 8 x 8
+            nn.ConvTranspose2d(NGF * 2, NGF, 4, 2, 1, bias=False),  # 8 x 8
+            nn.BatchNorm2d(NGF),
+            nn.ReLU(True),
+            nn.ConvTranspose2d(NGF, NC, 4, 2, 1, bias=False),  # 16 x 16
             nn.Tanh(),
         )
 
@@ -43,10 +46,15 @@ class Discriminator(nn.Module):
     def __init__(self):
         super().__init__()
         self.main = nn.Sequential(
-            nn.Conv2d(NC, NDF, 4, 2, 1, bias=False),  # 4 x 4
-            nn.BatchNorm2d(NDF),
+            nn.Conv2d(NC, NDF, 4, 2, 1, bias=False),  # 8 x 8
             nn.LeakyReLU(0.2, inplace=True),
-            nn.Conv2d(NDF, 1, 4, 1, 0, bias=False),  # 1 x 1
+            nn.Conv2d(NDF, NDF * 2, 4, 2, 1, bias=False),  # 4 x 4
+            nn.BatchNorm2d(NDF * 2),
+            nn.LeakyReLU(0.2, inplace=True),
+            nn.Conv2d(NDF * 2, NDF * 4, 4, 2, 1, bias=False),  # 2 x 2
+            nn.BatchNorm2d(NDF * 4),
+            nn.LeakyReLU(0.2, inplace=True),
+            nn.Conv2d(NDF * 4, 1, 2, 1, 0, bias=False),  # 1 x 1
             nn.Sigmoid(),
         )
 
@@ -66,12 +74,13 @@ def main():
     Fabric.seed_everything(999)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=STRATEGY, precision=PRECISION)
     fabric.launch()
-    data = TensorDataset(torch.rand(32, NC, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 - 1)
+    data = TensorDataset(torch.rand(32, NC, 16, 16, generator=torch.Generator().manual_seed(0)) * 2 - 1)
     loader = DataLoader(data, batch_size=4, shuffle=True)
     generator, discriminator = Generator(), Discriminator()
     generator.apply(weights_init)
     discriminator.apply(weights_init)
     criterion = nn.BCELoss()
+    fixed_noise = torch.randn(4, NZ, 1, 1, device=fabric.device)
     optimizer_d = torch.optim.Adam(discriminator.parameters(), lr=0.0002, betas=(0.5, 0.999))
     optimizer_g = torch.optim.Adam(generator.parameters(), lr=0.0002, betas=(0.5, 0.999))
     discriminator, optimizer_d = fabric.setup(discriminator, optimizer_d)
@@ -82,20 +91,23 @@ def main():
         for (real,) in loader:
             discriminator.zero_grad()
             label = torch.full((real.size(0),), 1.0, device=fabric.device)
-            err_real = criterion(discriminator(real).view(-1).float(), label)
+            err_real = criterion(discriminator(real).view(-1), label)
             fabric.backward(err_real)
             noise = torch.randn(real.size(0), NZ, 1, 1, device=fabric.device)
             fake = generator(noise)
             label.fill_(0.0)
-            err_fake = criterion(discriminator(fake.detach()).view(-1).float(), label)
+            err_fake = criterion(discriminator(fake.detach()).view(-1), label)
             fabric.backward(err_fake)
             optimizer_d.step()
             generator.zero_grad()
             label.fill_(1.0)
-            err_g = criterion(discriminator(fake).view(-1).float(), label)
+            err_g = criterion(discriminator(fake).view(-1), label)
             fabric.backward(err_g)
             optimizer_g.step()
             losses.append([(err_real + err_fake).item(), err_g.item()])
+        with torch.no_grad():  # the example's progress images: the generator on fixed noise
+            losses.append([generator(fixed_noise).float().mean().item()] * 2)
+        fabric.barrier()
     everyone = fabric.all_gather(torch.tensor(losses))
     if fabric.is_global_zero:
         with open(OUT, "w") as f:

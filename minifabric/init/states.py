@@ -1,0 +1,118 @@
+"""The random draws and real values a recorded init reads: what ranks compare to agree on one model.
+
+A script that seeds every rank differently before building the model (nanoGPT's
+``torch.manual_seed(1337 + rank)``) records different generator states on each rank. Replayed as
+they are, each rank would fill its shard from its own stream: a model whose rows come from several
+seeds. :func:`init_inputs` lists what a model's recorded init reads that can differ between ranks
+(the generator states of its random calls, the real tensors it read), :func:`digest` condenses them
+for a cheap comparison, and :func:`adopt_inputs` replaces them with another rank's, so that
+replaying gives that rank's construction. No communication here; strategies call these.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+from minifabric._torch import tree_flatten
+from minifabric.init.recipe import Base, Handle, Op, Real, Ref
+
+#: What :func:`adopt_inputs` takes: per random op ``(rng state, {generator kwarg: state})``, then
+#: the real tensors in order.
+Inputs = tuple[list[tuple[torch.Tensor | None, dict[str, torch.Tensor]]], list[torch.Tensor]]
+
+
+def _walk(handles: list[Handle]) -> tuple[list[Base], list[Op], list[torch.Tensor]]:
+    """Every base reachable from ``handles`` (through the refs their ops read), its ops, the real tensors read."""
+    bases: dict[int, Base] = {}
+    ops: dict[int, Op] = {}
+    reals: dict[int, torch.Tensor] = {}
+    stack = list(handles)
+
+    def read(values: Any) -> None:
+        for leaf in tree_flatten(values)[0]:
+            if isinstance(leaf, Ref):
+                stack.append(leaf.handle)
+            elif isinstance(leaf, Real):
+                reals.setdefault(id(leaf.tensor), leaf.tensor)
+
+    while stack:
+        handle = stack.pop()
+        for _, args, kwargs, _ in handle.chain:
+            read((args, kwargs))
+        base = handle.base
+        if id(base) in bases:
+            continue
+        bases[id(base)] = base
+        if base.value is not None:
+            reals.setdefault(id(base.value), base.value)
+        for op in ([base.creator] if base.creator is not None else []) + base.ops:
+            if id(op) not in ops:
+                ops[id(op)] = op
+                read((op.args, op.kwargs))
+    ordered_ops = sorted(ops.values(), key=lambda op: op.seq)
+    return list(bases.values()), ordered_ops, list(reals.values())
+
+
+def init_inputs(handles: list[Handle]) -> Inputs:
+    """The generator states of the random calls the recorded init of ``handles`` makes, and the real
+    tensors it reads, in recording order (the same order on every rank that ran the same code)."""
+    _, ops, reals = _walk(handles)
+    states = [(op.rng, dict(op.generators)) for op in ops if op.rng is not None or op.generators]
+    return states, reals
+
+
+def digest(inputs: Inputs) -> str:
+    """A short hash of ``inputs``: equal on two ranks exactly when their recorded init reads the same."""
+    h = hashlib.blake2b(digest_size=16)
+    states, reals = inputs
+    h.update(f"{len(states)} {len(reals)}".encode())
+    for rng, generators in states:
+        h.update(b"-" if rng is None else _bytes(rng))
+        for name in sorted(generators):
+            h.update(name.encode() + _bytes(generators[name]))
+    for tensor in reals:
+        h.update(f"{tuple(tensor.shape)} {tensor.dtype}".encode() + _bytes(tensor))
+    return h.hexdigest()
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def adopt_inputs(handles: list[Handle], inputs: Inputs) -> None:
+    """Make the recorded init of ``handles`` read ``inputs`` (another rank's :func:`init_inputs`).
+
+    Values kept from this rank's construction are dropped (they came from this rank's draws), so
+    materializing replays every tensor with the adopted states.
+
+    Raises:
+        ValueError: ``inputs`` does not fit this recording (the ranks built different models).
+    """
+    bases, ops, reals = _walk(handles)
+    random_ops = [op for op in ops if op.rng is not None or op.generators]
+    states, values = inputs
+    fits = len(states) == len(random_ops) and len(values) == len(reals)
+    fits = fits and all(
+        set(generators) == set(op.generators) and (rng is None) == (op.rng is None)
+        for (rng, generators), op in zip(states, random_ops, strict=False)
+    )
+    fits = fits and all(
+        v.shape == r.shape and v.dtype == r.dtype for v, r in zip(values, reals, strict=False)
+    )
+    if not fits:
+        raise ValueError(
+            f"This rank's model was built with other init calls than rank 0's ({len(random_ops)} random"
+            f" calls and {len(reals)} real tensors read here, {len(states)} and {len(values)} on rank 0):"
+            " every rank must run the same model code inside `acc.init_module(empty_init=True)`."
+        )
+    for (rng, generators), op in zip(states, random_ops, strict=True):
+        op.rng, op.generators = rng, dict(generators)
+    with torch.no_grad():
+        for value, real in zip(values, reals, strict=True):
+            real.copy_(value)
+    for base in bases:
+        base.kept = None

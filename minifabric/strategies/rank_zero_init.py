@@ -1,0 +1,127 @@
+"""Every rank sets up rank 0's construction of a model, as DDP does, also where nothing broadcasts.
+
+DDP broadcasts rank 0's weights when it wraps a model, so a script that seeds each rank differently
+before building it (nanoGPT's ``torch.manual_seed(1337 + rank)``) still trains one model. FSDP2 and
+meta-device init do not: each rank keeps its own slice of the weights it built, or replays the init
+it recorded from its own generator states, and the sharded model silently mixes seeds (rows 0-47
+from one, 48-95 from another). ``setup`` therefore compares, at small cost, what each rank built
+with rank 0's, and on a difference makes every rank take rank 0's:
+
+- :func:`adopt_rank_zero_init`: for a meta-built model, a digest of the generator states and real
+  tensors its recorded init reads (one small broadcast and one flag); on a difference rank 0's
+  states are sent and replayed everywhere, so each rank materializes its part of rank 0's model.
+- :func:`keep_rank_zero_tensors`: for real (eagerly built) parameters and buffers, two float64
+  checksums per tensor (its sum and its norm); on a difference rank 0's tensors are broadcast.
+
+Both are collectives: every rank calls them at the same point of ``setup``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minifabric import collectives
+from minifabric.init.states import adopt_inputs, digest, init_inputs
+
+Broadcast = Callable[[Any, int], Any]
+AnyRank = Callable[[bool], bool]
+
+
+def adopt_rank_zero_init(places: list, rank: int, broadcast: Broadcast, any_rank: AnyRank) -> bool:
+    """Make the recorded init of ``places`` replay rank 0's random draws on every rank.
+
+    Returns whether this run's ranks had recorded different draws (and now replay rank 0's).
+
+    Raises:
+        ValueError: on every rank, when a rank's recording does not fit rank 0's (another model).
+    """
+    if _simulated():
+        return False
+    handles = [place[3] for place in places]
+    inputs = init_inputs(handles)
+    mine = digest(inputs)
+    if not any_rank(broadcast(mine, 0) != mine):
+        return False
+    theirs = broadcast(inputs if rank == 0 else None, 0)
+    error = None
+    if rank != 0:
+        try:
+            adopt_inputs(handles, theirs)
+        except ValueError as e:
+            error = f"rank {rank}: {e}"
+    errors = [e for e in collectives.all_gather_object(error) if e is not None]
+    if errors:
+        raise ValueError(errors[0])
+    return True
+
+
+def _simulated() -> bool:
+    """Whether the ranks are simulated (``estimate_memory``'s fake process group): nothing to compare."""
+    return dist.is_initialized() and dist.get_backend() == "fake"
+
+
+def _real_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The module's parameters and buffers that hold values (not meta, not already sharded), once each."""
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+    out = []
+    for name, t in (*module.named_parameters(), *module.named_buffers()):
+        if id(t) in seen or t.is_meta or isinstance(t, DTensor):
+            continue
+        seen.add(id(t))
+        out.append((name, t))
+    return out
+
+
+def _checksums(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Two float64 numbers per tensor, its sum and its 2-norm, computed where it lives, no full copy."""
+    rows = []
+    with torch.no_grad():
+        for t in tensors:
+            x = torch.view_as_real(t.detach()) if t.is_complex() else t.detach()
+            if not x.is_floating_point():
+                x = x.double()
+            rows.append(
+                torch.stack([x.sum(dtype=torch.float64), torch.linalg.vector_norm(x, dtype=torch.float64)])
+            )
+    return torch.stack(rows).cpu() if rows else torch.zeros(0, 2, dtype=torch.float64)
+
+
+def keep_rank_zero_tensors(
+    module: nn.Module, device: torch.device, broadcast: Broadcast, any_rank: AnyRank
+) -> bool:
+    """Give every rank rank 0's real parameters and buffers where any rank's differ (before sharding).
+
+    Returns whether they differed (and were broadcast).
+
+    Raises:
+        ValueError: on every rank, when the ranks' models have other tensors (names, shapes, dtypes).
+    """
+    if _simulated():
+        return False
+    named = _real_tensors(module)
+    layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in named]
+    sums = _checksums([t for _, t in named])
+    zero_layout, zero_sums = broadcast((layout, sums), 0)
+    if not any_rank(zero_layout != layout or not torch.equal(zero_sums, sums)):
+        return False
+    if any_rank(zero_layout != layout):
+        raise ValueError(
+            f"The ranks built different models: {type(module).__name__} has other parameters or buffers"
+            " (names, shapes or dtypes) here than on rank 0. Every rank must build the same model before"
+            " `acc.setup(model)`."
+        )
+    with torch.no_grad():
+        for _, t in named:
+            local = t.detach()
+            work = local.to(device).contiguous()
+            dist.broadcast(work, src=0)
+            if work.data_ptr() != local.data_ptr():
+                local.copy_(work)
+    return True
