@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from minifabric import heartbeat
+from minifabric import heartbeat, launcher
 from minifabric.liveness import BoundedStore, StoreSilent, is_stopped, pid_ended, progress
 from tests.helpers import free_port
 
@@ -175,3 +175,13 @@ def test_the_kernel_tells_a_stopped_process_from_one_at_work():
         for child in (busy, idle):
             child.kill()
             child.wait()
+
+
+def test_the_launcher_says_why_before_it_kills_a_rank_still_running_after_ctrl_c(capfd):
+    rank = launcher._ScriptRank([sys.executable, "-c", "import time; time.sleep(60)"], {})
+    supervisor = launcher._Supervisor({0: rank})
+    supervisor.interrupted_at = time.monotonic() - 60  # Ctrl-C long ago; the rank ignored it
+    assert supervisor._wait() == 130
+    assert rank.exit_code() == -signal.SIGKILL
+    grace = f"{launcher.signals.INTERRUPT_GRACE_SECONDS:g}"
+    assert capfd.readouterr().err == f"[minifabric] {heartbeat.HOST}: killing rank(s) [0]: still running {grace}s after Ctrl-C.\n"
