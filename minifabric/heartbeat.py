@@ -1,14 +1,11 @@
 """Heartbeat: notice a rank that stopped or hangs, and name the rank that failed, on a side channel.
 
-A rank can stop without ending: SIGSTOP, a debugger, a frozen host, or a C call that never returns
-while holding the GIL (every Python thread of that process stops with it). Its peers then wait in
-their next collective until the collective timeout (30 minutes by default), and nothing says which
-rank it was. And a rank that ends without a report (SIGKILL, SIGSEGV, SIGABRT) leaves its peers
-with "connection closed by peer".
-
-So every rank of a run with several processes starts one daemon thread when it joins. Through the
-run's key-value store (the TCPStore of the default process group: a side channel, not a
-collective; the heartbeat opens its own connection to it), the thread
+A rank can stop without ending (SIGSTOP, a debugger, a frozen host, a C call that never returns
+while holding the GIL); its peers would wait in their next collective until the collective timeout
+(30 minutes by default), and nothing would say which rank it was. A rank that ends without a report
+(SIGKILL, SIGSEGV) leaves its peers with "connection closed by peer". So every rank of a run with
+several processes starts a daemon thread when it joins that, through the run's key-value store (on
+a connection of its own: a side channel, not a collective),
 
 - **beats**: increments this rank's counter every ``interval`` seconds (a tenth of the timeout, at
   most one second). A Python thread: while one long C call holds the GIL, it cannot beat;
@@ -16,25 +13,19 @@ collective; the heartbeat opens its own connection to it), the thread
   (at least :data:`BUSY_SHARE` of the time, read from ``/proc``) is at work in such a call: this
   rank beats for it, so no rank, on any host, takes it for silent;
 - **watches**: a peer whose counter has not moved for :func:`heartbeat_timeout` seconds
-  (``MINIFABRIC_HEARTBEAT_TIMEOUT``, default 60; 0 turns the heartbeat off) is silent: this rank
-  prints which rank (host, pid) and why (stopped: ``/proc`` state ``T``; hung: no CPU used; or, on
-  another host, not known), then kills it if it runs on this host, and ends with code 1. A peer on
-  this host whose process is gone (killed by a signal) is named the same way at once, with its
-  signal: a second thread sleeps on a pidfd per peer of this host and, the moment one ends, reads
-  its exit status from ``/proc`` before its parent (a launcher, torchrun's agent) collects it, and
-  posts it for the other ranks;
-- **listens**: a rank that fails with a report (an uncaught exception, also in a background
-  thread, Ctrl-C, a preemption signal that ends it) posts one line under one key before it ends
-  (the first post wins); every other rank prints that line as the cause and ends with code 1.
+  (``MINIFABRIC_HEARTBEAT_TIMEOUT``, default 60; 0: off) is silent: this rank prints which rank
+  (host, pid) and why (stopped: ``/proc`` state ``T``; hung: no CPU used; on another host: not
+  known), then kills it if it runs on this host, and ends with code 1. A peer on this host that
+  ends is named at once, with its signal: a second thread sleeps on a pidfd per peer of this host
+  and reads its exit status from ``/proc`` before its parent (a launcher, torchrun's agent)
+  collects it, and posts it for the other ranks;
+- **listens**: a rank that fails with a report (an uncaught exception, Ctrl-C, a preemption signal
+  that ends it) posts one line (the first post wins); every other rank prints it and ends with code 1.
 
-Every store call waits at most the heartbeat timeout (2 s for a post from a failing rank): the
-store lives in rank 0 under ``acc.launch()``, srun and pod operators, so a stopped rank 0 stops the
-store too. A store that does not answer is a silent rank 0, judged as above. Once the rank that
-hosts the store has left (a good exit) or ended, no rank calls the store again: a call to a store
-that is gone makes torch print a warning with a C++ stack.
-
-The heartbeat timeout is separate from the collective timeout: it bounds how long a silent rank
-goes unnoticed, the collective timeout how long a legitimate collective may wait.
+Every store call waits at most the heartbeat timeout (2 s for a failing rank's post): rank 0 hosts
+the store under ``acc.launch()``, srun and pod operators, and a store that does not answer is a
+silent rank 0, judged as above. Once the rank that hosts the store has left or ended, no rank calls
+the store again (torch would print a warning with a C++ stack for every call).
 """
 
 from __future__ import annotations
@@ -106,6 +97,7 @@ class Heartbeat:
         self.gone = False  # the store is gone, or its host left: never call it again
         self._dead: str | None = None  # what this rank saw of a peer that ended without a report
         self._stalled: dict[int, tuple[float, float]] = {}  # peer -> (time, its CPU seconds) when it stalled
+        self._looked = time.monotonic()  # when this rank last read its peers' counters
 
     def _call(self, method: str, *args: Any, within: float | None = None) -> Any:
         """A store call, waited for at most ``within`` seconds (the timeout); :class:`_Gone` once the store is."""
@@ -275,6 +267,10 @@ class Heartbeat:
                 continue  # once more: the exit watch may name the rank that took the store with it
 
     def _round(self, counters: dict[int, int], changed: dict[int, float]) -> None:
+        if time.monotonic() - self._looked > self.vouch_after:
+            # this rank could not look (its own GIL was held): what its peers did meanwhile is unknown
+            changed.update(dict.fromkeys(changed, time.monotonic()))
+            self._stalled.clear()
         self._call("add", f"{_PREFIX}/beat/{self.rank}", 1)
         if len(self.peers) < self.world_size:
             self._learn_peers()
@@ -296,6 +292,7 @@ class Heartbeat:
                 self._call("add", f"{_PREFIX}/beat/{rank}", 1)  # it is at work: beat for it
             elif now - changed[rank] > self.timeout and not self._left(rank):
                 self._silent(rank, now - changed[rank])
+        self._looked = time.monotonic()
 
     def _busy(self, rank: int) -> bool:
         """Whether ``rank`` runs on this host and used CPU for at least BUSY_SHARE of the time since it was first seen stalled."""

@@ -8,7 +8,7 @@ raises inside ``acc.rank_zero_first()``), ``spin`` (rank 1 loops in Python while
 ``train`` (as ``loop`` but never reading ``should_stop``), ``big`` (with
 ``--spawn``: ``launch(fn)`` returns 1 MB), ``busy-R`` (inside ``acc.rank_zero_first()``, rank R
 holds the GIL in one C call that computes for three heartbeat timeouts, as unpickling a large
-dataset does, then every rank trains three steps and ends), ``late`` (rank 1 ends 3 s after rank 0's
+dataset does, then every rank trains three steps and ends; ``busy-both``: both ranks at once), ``late`` (rank 1 ends 3 s after rank 0's
 process has ended: rank 0 waits for it at exit only so long). Every rank prints ``PID rank=R pid=P`` once it has
 joined, ``STEP n`` after each step and ``DONE rank=R`` at a good end.
 """
@@ -68,9 +68,11 @@ def run(acc: Accelerator, mode: str, out_dir: str) -> bytes | None:
                 raise RuntimeError("planned failure while preparing data")
         time.sleep(60)  # never reached on any rank
     if mode.startswith("busy-"):
+        timeout = float(os.environ["MINIFABRIC_HEARTBEAT_TIMEOUT"])
+        if mode == "busy-both":
+            print(f"HELD {hold_gil(3 * timeout):.1f}s rank={acc.global_rank}", flush=True)
         with acc.rank_zero_first():
-            if acc.global_rank == int(mode.split("-")[1]):
-                timeout = float(os.environ["MINIFABRIC_HEARTBEAT_TIMEOUT"])
+            if mode == f"busy-{acc.global_rank}":
                 print(f"HELD {hold_gil(3 * timeout):.1f}s rank={acc.global_rank}", flush=True)
         mode = "steps"
     if mode == "spin":
