@@ -159,14 +159,17 @@ class Heartbeat:
         """A peer on this host whose process has ended without leaving, and how if still known.
 
         One killed by a signal comes first: a peer that exited with a code may have ended because
-        of it.
+        of it. The rank that hosts the store cannot be asked whether it left (its store went with
+        it): it counts only when its exit status is known and not a clean exit.
         """
         dead = []
         for rank, (host, pid) in sorted(self.peers.items()):
             if rank == self.rank or host != HOST:
                 continue
             ended, how = pid_ended(pid)
-            if ended and not self._left(rank, unknown=False):
+            if not ended:
+                continue
+            if how is not None if rank == self.store_host else not self._left(rank, unknown=False):
                 dead.append((rank, how))
         dead.sort(key=lambda found: not (found[1] or "").startswith("was killed"))
         return dead[0] if dead else None

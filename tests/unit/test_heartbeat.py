@@ -185,3 +185,23 @@ def test_the_launcher_says_why_before_it_kills_a_rank_still_running_after_ctrl_c
     assert rank.exit_code() == -signal.SIGKILL
     grace = f"{launcher.signals.INTERRUPT_GRACE_SECONDS:g}"
     assert capfd.readouterr().err == f"[minifabric] {heartbeat.HOST}: killing rank(s) [0]: still running {grace}s after Ctrl-C.\n"
+
+
+@pytest.mark.parametrize("ending", ["exit 0", "SIGKILL"])
+def test_the_rank_that_hosts_the_store_is_blamed_only_for_an_end_its_exit_status_shows_as_bad(ending):
+    # it cannot post that it left once it is gone: its store went with it
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, timeout=timedelta(seconds=10))
+    child = subprocess.Popen([sys.executable, "-c", "pass" if ending == "exit 0" else "import time; time.sleep(60)"])
+    if ending == "SIGKILL":
+        child.kill()
+    while not pid_ended(child.pid)[0]:  # a zombie: its parent (this test) has not reaped it
+        time.sleep(0.01)
+    try:
+        mine = heartbeat.Heartbeat(store, rank=1, world_size=2, timeout=5, store_host=0)
+        mine.peers = {0: (heartbeat.HOST, child.pid)}
+        if ending == "exit 0":
+            assert mine.culprit() is None
+        else:
+            assert mine.culprit() == f"rank 0 (host {heartbeat.HOST}, pid {child.pid}) was killed by SIGKILL"
+    finally:
+        child.wait()
