@@ -179,7 +179,16 @@ class _Supervisor:
                 except ProcessLookupError:
                     pass
 
-    def _kill_all(self) -> None:
+    def _say_killing(self, why: str) -> None:
+        """Print which ranks are about to be killed and why (whatever kills a rank says why first)."""
+        running = [rank for rank, proc in self.ranks.items() if proc.exit_code() is None]
+        if running:
+            signals.write_stderr(f"[minifabric] {HOST}: killing rank(s) {running}: {why}.\n")
+
+    def _kill_all(self, why: str = "") -> None:
+        """SIGKILL every rank still running, after saying ``why`` (unless said already), and wait for them."""
+        if why:
+            self._say_killing(why)
         self._signal_all(signal.SIGKILL)
         for rank in self.ranks.values():
             while rank.exit_code() is None:
@@ -194,7 +203,11 @@ class _Supervisor:
         self.stop_signals += 1
         # the first is forwarded (the ranks stop at a step boundary if the loop reads should_stop);
         # a second one ends them
-        self._signal_all(signum if self.stop_signals == 1 else signal.SIGKILL)
+        if self.stop_signals == 1:
+            self._signal_all(signum)
+        else:
+            self._say_killing(f"a second {signal.Signals(signum).name} reached the launcher")
+            self._signal_all(signal.SIGKILL)
 
     def run(self) -> int:
         """Wait for every rank; return the exit code of the run (as a shell reports it)."""
@@ -205,8 +218,8 @@ class _Supervisor:
         with process.signal_handlers(forward):
             try:
                 return self._wait()
-            except BaseException:
-                self._kill_all()
+            except BaseException as error:
+                self._kill_all(f"the launcher failed ({type(error).__name__})")
                 raise
 
     def _wait(self) -> int:
@@ -215,7 +228,8 @@ class _Supervisor:
             if self.interrupted_at is not None:
                 late = time.monotonic() - self.interrupted_at > signals.INTERRUPT_GRACE_SECONDS + 0.5
                 if late or all(code is not None for code in codes.values()):
-                    self._kill_all()
+                    grace = signals.INTERRUPT_GRACE_SECONDS
+                    self._kill_all(f"still running {grace:g}s after Ctrl-C" if late else "")
                     return signals.INTERRUPTED_EXIT_CODE
             else:
                 failed = [(rank, code) for rank, code in codes.items() if code not in (None, 0)]

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from minifabric import collectives, heartbeat, ray_train, signals, watchdog
+from minifabric import collectives, heartbeat, ray_train, rendezvous, signals, watchdog
 from minifabric._torch import default_store
 from minifabric.environment import destroy_process_group, exit_barrier_group, init_process_group
 from minifabric.launcher import die_with_parent
@@ -85,7 +85,7 @@ class Lifecycle:
             self._stop_group = dist.new_group(backend="gloo", timeout=timeout)
             self._exit_group = exit_barrier_group()
             watchdog.start(default_store(), dist.get_rank(), timeout.total_seconds())
-            heartbeat.start(default_store(), dist.get_rank(), self._world_size)
+            heartbeat.start(default_store(), dist.get_rank(), self._world_size, rendezvous.store_host())
 
     def leave(self) -> None:
         """Leave the process group together with the other ranks (bounded wait)."""

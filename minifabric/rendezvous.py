@@ -148,6 +148,11 @@ def elastic_attempt() -> int | None:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def store_host() -> int | None:
+    """The rank whose process hosts the run's key-value store: 0, or None when torchrun's agent hosts it."""
+    return None if elastic_attempt() is not None else 0
+
+
 def _wait_for_listener(world: World, seconds: float) -> None:
     """Wait until rank 0's store accepts connections (torch's own client retries past its timeout)."""
     deadline = time.monotonic() + seconds

@@ -21,7 +21,7 @@ import traceback
 from types import TracebackType
 from typing import Any
 
-from minifabric import process, signals
+from minifabric import heartbeat, process, signals
 
 _KEY = "minifabric/hang"
 _POLL_SECONDS = 0.5
@@ -59,6 +59,8 @@ def stop() -> None:
 
 def _poll(watch: _Watch) -> None:
     while not watch.stopped.wait(_POLL_SECONDS):
+        if heartbeat.store_gone():  # its host left or ended: a call would only print torch's warning
+            return
         try:
             if not watch.store.check([_KEY]):
                 continue

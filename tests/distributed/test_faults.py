@@ -1,8 +1,11 @@
 """The fault catalogue: each fault on one rank at one step ends every rank, names the rank, keeps the checkpoint.
 
 Every case runs ``tests/scripts/faults.py`` in a new session (so the test sees, and stops, every
-process of the run) under ``minifabric run``, torchrun or ``acc.launch()``. The faulty rank and
-step are drawn at random (seeded by the case, so a failure reproduces). Each case checks:
+process of the run) under ``minifabric run``, torchrun, ``acc.launch()`` or ranks started by hand
+with their variables (``join``: as srun or a pod operator starts them). The faulty step, and the
+faulty rank unless the case names it, are drawn at random (seeded by the case, so a failure
+reproduces). Rank 0 is stopped under every launch path: under ``acc.launch()`` and ``join`` it hosts
+the run's store. Each case checks:
 
 - every process of the run is gone within 10 s of the fault (a silent rank: within the heartbeat
   timeout, here 4 s, plus those 10 s), and the run's exit code is non-zero;
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import random
 import re
+import shlex
 import socket
 from pathlib import Path
 
@@ -22,7 +26,7 @@ import pytest
 import torch
 
 from minifabric import Accelerator
-from tests.helpers import PYTHON, REPO, Session
+from tests.helpers import PYTHON, REPO, Session, free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -39,8 +43,10 @@ CAUSES = {
     "sigint": r"SIGINT|interrupted",
     "sigsegv": r"SIGSEGV|ended without a report",
     "sigabrt": r"SIGABRT|ended without a report",
-    "sigstop": r"sent no heartbeat for \d+s: stopped \(SIGSTOP\) or hung in a call that holds the GIL",
-    "gil": r"sent no heartbeat for \d+s: stopped \(SIGSTOP\) or hung in a call that holds the GIL",
+    "sigstop": r"is stopped \(SIGSTOP or a debugger\): (sent no heartbeat|the run's store, which it hosts, did"
+    r" not answer) for \d+s; killing it",
+    "gil": r"sent no heartbeat for \d+s and used no CPU: hung \(e\.g\. in a C call that holds the GIL and waits\);"
+    r" killing it",
     "thread": r"failed with RuntimeError in thread 'user-worker': planned failure in a background thread",
     "oom": r"failed with MemoryError",
     "disk": r"failed with CheckpointError: Saving the checkpoint .* failed",
@@ -50,17 +56,29 @@ SILENT = {"sigstop", "gil"}
 #: is named by a survivor, with the signal read from the dead rank's wait status before the agent reaps it
 KILLED_BY = {"sigkill": "SIGKILL", "sigsegv": "SIGSEGV", "sigabrt": "SIGABRT"}
 
+#: (launcher, strategy, world, fault, faulty rank: None draws it)
 CASES = [
-    *[("minifabric-run", "ddp", 2, fault) for fault in CAUSES],
-    *[("minifabric-run", "fsdp", 2, fault) for fault in ("sigkill", "sigsegv", "gil", "thread", "disk")],
-    *[("torchrun", "ddp", 2, fault) for fault in ("sigkill", "sigstop", "sigsegv", "sigabrt", "oom")],
-    ("torchrun", "fsdp", 2, "sigkill"),
-    *[("launch", "fsdp", 2, fault) for fault in ("sigkill", "sigterm", "sigint")],
-    ("minifabric-run", "fsdp", 4, "sigstop"),
+    *[("minifabric-run", "ddp", 2, fault, None) for fault in CAUSES],
+    *[("minifabric-run", "fsdp", 2, fault, None) for fault in ("sigkill", "sigsegv", "gil", "thread", "disk")],
+    *[("torchrun", "ddp", 2, fault, None) for fault in ("sigkill", "sigstop", "sigsegv", "sigabrt", "oom")],
+    ("torchrun", "fsdp", 2, "sigkill", None),
+    *[("launch", "fsdp", 2, fault, None) for fault in ("sigkill", "sigterm", "sigint")],
+    ("minifabric-run", "fsdp", 4, "sigstop", None),
+    *[(launcher, "ddp", 2, "sigstop", 0) for launcher in ("launch", "join", "torchrun", "minifabric-run")],
+    ("launch", "ddp", 2, "gil", 0),
 ]
 
 
 def _command(launcher: str, world: int, args: list[str]) -> list[str]:
+    if launcher == "join":  # every rank started by hand with its variables; the run fails if any rank does
+        port = free_port()
+        ranks = [
+            f"RANK={r} LOCAL_RANK={r} WORLD_SIZE={world} MASTER_ADDR=127.0.0.1 MASTER_PORT={port}"
+            f" {shlex.join([PYTHON, SCRIPT, *args])} & p{r}=$!"
+            for r in range(world)
+        ]
+        waits = "; ".join(f"wait $p{r} || code=1" for r in range(world))
+        return ["sh", "-c", f"{'; '.join(ranks)}; code=0; {waits}; exit $code"]
     if launcher == "minifabric-run":
         return [PYTHON, "-m", "minifabric", "run", "--devices", str(world), SCRIPT, *args]
     if launcher == "torchrun":
@@ -93,15 +111,22 @@ def _committed_step(ckpt: Path) -> int:
     return state["step"]
 
 
-@pytest.mark.parametrize(
-    ("launcher", "strategy", "world", "fault"), CASES, ids=["-".join(map(str, case)) for case in CASES]
-)
-def test_a_fault_on_one_rank_ends_every_rank_and_names_it(tmp_path, launcher, strategy, world, fault):
+def _id(case: tuple) -> str:
+    *shape, rank = case
+    return "-".join(map(str, shape)) + ("" if rank is None else f"-rank{rank}")
+
+
+@pytest.mark.parametrize(("launcher", "strategy", "world", "fault", "faulty"), CASES, ids=[_id(c) for c in CASES])
+def test_a_fault_on_one_rank_ends_every_rank_and_names_it(tmp_path, launcher, strategy, world, fault, faulty):
     draw = random.Random(f"{launcher}-{strategy}-{world}-{fault}")
     rank, step = draw.randrange(world), draw.randint(3, 5)
+    if faulty is not None:
+        rank = faulty
     if fault == "disk" and strategy == "ddp":
         rank = 0  # a DDP checkpoint is one file that rank 0 writes: only its disk can fill up
     env = {"MINIFABRIC_HEARTBEAT_TIMEOUT": str(HEARTBEAT)}
+    if launcher == "join":  # ranks started by hand on one machine meet within 5 s unless told otherwise
+        env["MINIFABRIC_JOIN_TIMEOUT"] = str(START_SECONDS)
     run = Session(_command(launcher, world, [fault, str(rank), str(step), strategy, str(tmp_path)]), env=env)
     try:
         run.wait_for("FAULT at=", timeout=START_SECONDS)

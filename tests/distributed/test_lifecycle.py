@@ -105,6 +105,33 @@ def test_a_hang_prints_every_ranks_stack_and_ends_the_run(tmp_path):
     assert "[rank 0]   File" in run.output
 
 
+@pytest.mark.parametrize("busy", ["0", "1", "both"])
+def test_a_rank_at_work_in_one_long_c_call_that_holds_the_gil_is_not_killed(tmp_path, busy):
+    # rank 0 also hosts the run's store; the peer beats for the busy rank, seeing its CPU time advance
+    # ("both": the rank that ends its call first could not look meanwhile, and must not judge by then)
+    env = {"LIFECYCLE_OUT": str(tmp_path), "MINIFABRIC_HEARTBEAT_TIMEOUT": "2"}
+    run = Session([PYTHON, SCRIPT, f"busy-{busy}"], env=env)
+    code, _ = run.finish(timeout=START_SECONDS)
+    for rank in (0, 1) if busy == "both" else (int(busy),):
+        assert re.search(rf"HELD \S+s rank={rank}$", run.output, re.M), run.output  # three heartbeat timeouts
+    assert code == 0, run.output
+    for rank in (0, 1):
+        assert f"DONE rank={rank}" in run.output, run.output
+    assert "[minifabric]" not in run.output, run.output
+
+
+def test_a_good_exit_with_rank_zero_ending_first_is_quiet(tmp_path):
+    # rank 0 hosts the store and leaves before rank 1 ends: rank 1 must not call the store after that
+    env = {"LIFECYCLE_OUT": str(tmp_path), "MINIFABRIC_HEARTBEAT_TIMEOUT": "2"}  # 10 beats a second
+    run = Session([PYTHON, SCRIPT, "late"], env=env)
+    code, _ = run.finish(timeout=START_SECONDS)
+    assert code == 0, run.output
+    shown = [line for _, line in run.lines if line and not re.match(r"(PID|STEP|DONE) ", line)]
+    assert shown == [], run.output  # no TCPStore warning, no C++ frame, nothing at all
+    for rank in (0, 1):
+        assert f"DONE rank={rank}" in run.output, run.output
+
+
 EXAMPLE = str(REPO / "examples" / "gpt" / "train.py")
 TINY_GPT = [
     "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "4",

@@ -11,7 +11,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from minifabric import heartbeat
+from minifabric import heartbeat, launcher
+from minifabric.liveness import BoundedStore, StoreSilent, is_stopped, pid_ended, progress
 from tests.helpers import free_port
 
 
@@ -33,8 +34,8 @@ def test_the_timeout_comes_from_the_environment_and_bad_values_name_the_variable
 def test_a_dead_process_on_this_host_is_seen_as_gone():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
-    assert heartbeat._pid_ended(child.pid) == (True, None)  # reaped: how it ended is lost
-    assert heartbeat._pid_ended(os.getpid()) == (False, None)
+    assert pid_ended(child.pid) == (True, None)  # reaped: how it ended is lost
+    assert pid_ended(os.getpid()) == (False, None)
 
 
 @pytest.mark.parametrize(
@@ -51,9 +52,9 @@ def test_a_dead_process_not_reaped_yet_tells_how_it_ended(signum, how):
     try:
         if signum is not None:
             os.kill(child.pid, signum)
-        while heartbeat._pid_ended(child.pid) == (False, None):  # until it is a zombie (not reaped)
+        while pid_ended(child.pid) == (False, None):  # until it is a zombie (not reaped)
             time.sleep(0.01)
-        assert heartbeat._pid_ended(child.pid) == (True, how)
+        assert pid_ended(child.pid) == (True, how)
     finally:
         child.kill()
         child.wait()
@@ -94,7 +95,7 @@ def test_a_dead_peer_seen_with_its_signal_is_posted_for_the_ranks_that_look_late
         os.kill(child.pid, signal.SIGABRT)
         mine = heartbeat.Heartbeat(store, rank=0, world_size=3, timeout=5)
         mine.peers = {1: (heartbeat.HOST, child.pid)}
-        while heartbeat._pid_ended(child.pid)[0] is False:
+        while pid_ended(child.pid)[0] is False:
             time.sleep(0.01)
         blamed = f"rank 1 (host {heartbeat.HOST}, pid {child.pid}) was killed by SIGABRT"
         assert mine.culprit() == blamed
@@ -126,3 +127,81 @@ def test_the_exit_watch_reads_the_signal_of_a_peer_the_moment_it_ends():
         child.wait()
         watch.join(timeout=5)
     assert not watch.is_alive()
+
+
+def _store_host(port: int) -> subprocess.Popen:
+    """A process that hosts a TCPStore on ``port`` (as rank 0 does) and prints one line once it listens."""
+    code = (
+        "import time, torch.distributed as dist; from datetime import timedelta;"
+        f" store = dist.TCPStore('127.0.0.1', {port}, 1, True, timeout=timedelta(seconds=60),"
+        " wait_for_workers=False); print('up', flush=True); time.sleep(60)"
+    )
+    host = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert host.stdout is not None and host.stdout.readline() == "up\n"
+    return host
+
+
+def test_a_store_call_to_a_stopped_host_gives_up_at_its_deadline_and_the_store_answers_again_later():
+    port = free_port()
+    host = _store_host(port)
+    try:
+        store = BoundedStore(dist.TCPStore("127.0.0.1", port, 1, False, timeout=timedelta(seconds=600)))
+        assert store.call(5, "add", "beat", 1) == 1
+        os.kill(host.pid, signal.SIGSTOP)  # torch's own call would wait forever, whatever its timeout
+        with pytest.raises(StoreSilent, match="no answer"):
+            store.call(0.5, "add", "beat", 1)
+        os.kill(host.pid, signal.SIGCONT)
+        assert store.call(30, "add", "beat", 0) == 2  # the call in flight went through
+    finally:
+        host.kill()
+        host.wait()
+
+
+def test_the_kernel_tells_a_stopped_process_from_one_at_work():
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        before = {p.pid: progress(p.pid) for p in (busy, idle)}
+        time.sleep(1.0)
+        after = {p.pid: progress(p.pid) for p in (busy, idle)}
+        assert after[busy.pid][1] > before[busy.pid][1]  # its CPU time advances
+        assert not is_stopped(after[busy.pid][0]) and not is_stopped(after[idle.pid][0])
+        os.kill(busy.pid, signal.SIGSTOP)
+        while progress(busy.pid)[0] not in ("T", "t"):
+            time.sleep(0.01)
+        assert is_stopped(progress(busy.pid)[0])
+        assert progress(2**22 + 12345) is None  # no such process
+    finally:
+        for child in (busy, idle):
+            child.kill()
+            child.wait()
+
+
+def test_the_launcher_says_why_before_it_kills_a_rank_still_running_after_ctrl_c(capfd):
+    rank = launcher._ScriptRank([sys.executable, "-c", "import time; time.sleep(60)"], {})
+    supervisor = launcher._Supervisor({0: rank})
+    supervisor.interrupted_at = time.monotonic() - 60  # Ctrl-C long ago; the rank ignored it
+    assert supervisor._wait() == 130
+    assert rank.exit_code() == -signal.SIGKILL
+    grace = f"{launcher.signals.INTERRUPT_GRACE_SECONDS:g}"
+    assert capfd.readouterr().err == f"[minifabric] {heartbeat.HOST}: killing rank(s) [0]: still running {grace}s after Ctrl-C.\n"
+
+
+@pytest.mark.parametrize("ending", ["exit 0", "SIGKILL"])
+def test_the_rank_that_hosts_the_store_is_blamed_only_for_an_end_its_exit_status_shows_as_bad(ending):
+    # it cannot post that it left once it is gone: its store went with it
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, timeout=timedelta(seconds=10))
+    child = subprocess.Popen([sys.executable, "-c", "pass" if ending == "exit 0" else "import time; time.sleep(60)"])
+    if ending == "SIGKILL":
+        child.kill()
+    while not pid_ended(child.pid)[0]:  # a zombie: its parent (this test) has not reaped it
+        time.sleep(0.01)
+    try:
+        mine = heartbeat.Heartbeat(store, rank=1, world_size=2, timeout=5, store_host=0)
+        mine.peers = {0: (heartbeat.HOST, child.pid)}
+        if ending == "exit 0":
+            assert mine.culprit() is None
+        else:
+            assert mine.culprit() == f"rank 0 (host {heartbeat.HOST}, pid {child.pid}) was killed by SIGKILL"
+    finally:
+        child.wait()
