@@ -274,6 +274,7 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
 
 
 def _run(args: argparse.Namespace) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
     if args.max_restarts < 0:
@@ -293,7 +294,24 @@ def _run(args: argparse.Namespace) -> None:
     values = {ENV_SETTINGS[name]: value for name, value in settings.items() if value is not None}
     threads = {"OMP_NUM_THREADS": str(max(1, available_cores() // int(settings["devices"])))}
     with process.scoped_environment(values, defaults=threads):
-        torchrun_main(torchrun_args(args))
+        try:
+            torchrun_main(torchrun_args(args))
+        except ChildFailedError as err:
+            # Each rank has already printed why it ended (its traceback, or one line); torchrun's
+            # traceback and failure table would repeat it in about 40 lines. One line, and the code.
+            raise SystemExit(_failed_ranks_line(err)) from None
+
+
+def _failed_ranks_line(err: Any) -> int:
+    """Print which ranks failed with which exit status; return the exit code for the first one."""
+    failures = sorted(err.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    ends = []
+    for rank, failure in failures:
+        code = failure.exitcode
+        ends.append(f"rank {rank} " + (f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"))
+    print(f"minifabric run: {'; '.join(ends)} (each rank's own output above says why)", file=sys.stderr)
+    code = failures[0][1].exitcode if failures else 1
+    return 128 - code if code < 0 else (code or 1)
 
 
 def _consolidate(args: argparse.Namespace) -> None:
