@@ -1,0 +1,38 @@
+"""Fault tolerance against training loops as users write them (one process, torchft's manager stood in)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from minifabric import Accelerator, FaultTolerance, FSDPStrategy
+from tests.unit.test_fault_tolerance import _Logged, quorum_manager  # noqa: F401 (a fixture)
+
+
+def _launched(**settings):
+    """A launched one-process Accelerator: FSDP, "32-true", replica group 1 of 2 (on the stand-in)."""
+    ft = FaultTolerance(replica_group_id=1, num_replica_groups=2, **settings)
+    acc = Accelerator(accelerator="cpu", strategy=FSDPStrategy(fault_tolerance=ft), devices=1)
+    acc.launch()
+    return acc
+
+
+def test_a_closure_is_refused_before_the_step_commits(quorum_manager):  # noqa: F811
+    acc = _launched()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    model, optimizer = acc.setup(model, torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=2))
+    loader = acc.setup_dataloaders(DataLoader(_Logged(quorum_manager.log), batch_size=2))
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def closure():
+        optimizer.zero_grad()
+        loss = model(torch.ones(2, 4)).sum()
+        acc.backward(loss)
+        return loss
+
+    next(iter(loader))  # the step starts when its batch is drawn
+    with pytest.raises(RuntimeError, match=r"optimizer\.step\(closure\) is not supported with fault_tolerance"):
+        optimizer.step(closure)
+    assert quorum_manager.step == 0  # nothing committed
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
