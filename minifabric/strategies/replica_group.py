@@ -45,7 +45,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from minifabric import process
-from minifabric._torch import at_backward_end
+from minifabric._torch import at_backward_end, register_global_step_pre_hook
 from minifabric.strategies.fault_tolerance import FaultTolerance
 from minifabric.strategies.heal_state import (
     load_module_state,
@@ -89,6 +89,7 @@ class ReplicaGroup:
         self._decision: bool | None = None  # the last step's commit, shared by its optimizers
         self._pending: list[Any] = []  # this backward's cross-group all-reduces still running
         self._module_views: list[dict[str, torch.Tensor]] = []  # the modules' tensors, for a heal
+        self._step_hook: Any = None  # refuses an optimizer of the watched models that was not set up
         self._manager = _make_manager(self, store_address)
 
     # ---- what this group holds and heals -----------------------------------------------------
@@ -110,6 +111,25 @@ class ReplicaGroup:
         for unit in units:
             unit.set_all_reduce_hook(partial(self._average_across_groups, _own_parameters(unit)))
         self._modules.append(module)
+        if self._step_hook is None:
+            self._step_hook = register_global_step_pre_hook(self._refuse_unwatched_step)
+
+    def _refuse_unwatched_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        """Before any optimizer's step: one that was not set up must not step a watched model.
+
+        Its step would never commit (so no later step would ask for a quorum, and a group that
+        died or rejoined would go unnoticed) and its state would not be healed.
+        """
+        if any(optimizer is watched for watched in self._optimizers):
+            return
+        ours = {id(p) for module in self._modules for p in module.parameters()}
+        if any(id(p) in ours for group in optimizer.param_groups for p in group["params"]):
+            raise RuntimeError(
+                f"This {type(optimizer).__name__} steps the parameters of a model set up with"
+                " fault_tolerance, but it was not set up: its steps would not commit across replica"
+                " groups nor be copied to a group that rejoins. Set it up before the loop:"
+                " `optimizer = acc.setup_optimizers(optimizer)`."
+            )
 
     def watch_optimizer(self, optimizer: Optimizer) -> None:
         """Heal ``optimizer``'s state (moments, step counts, learning rates) from a live group."""
@@ -338,6 +358,9 @@ class ReplicaGroup:
 
     def shutdown(self) -> None:
         """Stop the manager's servers (its lighthouse client and the state server)."""
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
         self._manager.shutdown(wait=False)
 
     # ---- healing (called by torchft) -----------------------------------------------------------

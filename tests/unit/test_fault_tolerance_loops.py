@@ -36,3 +36,22 @@ def test_a_closure_is_refused_before_the_step_commits(quorum_manager):  # noqa: 
         optimizer.step(closure)
     assert quorum_manager.step == 0  # nothing committed
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_an_optimizer_of_the_model_that_was_not_set_up_is_refused_at_its_first_step(quorum_manager):  # noqa: F811
+    acc = _launched()
+    model = acc.setup(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)))
+    raw = torch.optim.SGD(model.parameters(), lr=0.1)  # built after setup, never set up
+    loader = acc.setup_dataloaders(DataLoader(_Logged(quorum_manager.log), batch_size=2))
+    before = [p.detach().clone() for p in model.parameters()]
+    next(iter(loader))
+    acc.backward(model(torch.ones(2, 4)).sum())
+    with pytest.raises(RuntimeError, match=r"optimizer = acc\.setup_optimizers\(optimizer\)"):
+        raw.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    optimizer = acc.setup_optimizers(raw)  # set up, the same optimizer steps and commits
+    optimizer.step()
+    assert quorum_manager.step == 1
+    other = torch.nn.Linear(2, 2)  # an optimizer of other parameters is not concerned
+    torch.optim.SGD(other.parameters(), lr=0.1).step()
+    acc.strategy.replica_group.shutdown()
