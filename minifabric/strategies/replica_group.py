@@ -132,7 +132,22 @@ class ReplicaGroup:
             )
 
     def watch_optimizer(self, optimizer: Optimizer) -> None:
-        """Heal ``optimizer``'s state (moments, step counts, learning rates) from a live group."""
+        """Heal ``optimizer``'s state (moments, step counts, learning rates) from a live group.
+
+        Raises:
+            ValueError: ``optimizer`` holds parameters of no model set up with ``fault_tolerance``
+                (their gradients would never be averaged across groups, nor their values healed).
+        """
+        ours = {id(p) for module in self._modules for p in module.parameters()}
+        foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in ours]
+        if foreign:
+            raise ValueError(
+                f"{type(optimizer).__name__} holds {len(foreign)} parameter(s) of no model set up with"
+                f" fault_tolerance (shapes: {', '.join(str(tuple(p.shape)) for p in foreign[:4])}): their"
+                " gradients would not be averaged across replica groups, so the groups would drift"
+                " apart. Set up every model the optimizer steps first: `model = acc.setup(model)`, then"
+                " `optimizer = acc.setup_optimizers(optimizer)` (or `acc.setup(model, optimizer)`)."
+            )
         self._optimizers.append(optimizer)
 
     def watch_dataloader(self, dataloader: Any) -> None:

@@ -55,3 +55,16 @@ def test_an_optimizer_of_the_model_that_was_not_set_up_is_refused_at_its_first_s
     other = torch.nn.Linear(2, 2)  # an optimizer of other parameters is not concerned
     torch.optim.SGD(other.parameters(), lr=0.1).step()
     acc.strategy.replica_group.shutdown()
+
+
+def test_an_optimizer_of_a_model_that_was_not_set_up_is_refused_at_setup(quorum_manager):  # noqa: F811
+    acc = _launched()
+    body, head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)  # the head is never set up
+    body = acc.setup(body)
+    optimizer = torch.optim.SGD(head.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"SGD holds 2 parameter\(s\) of no model set up .*\(1, 4\), \(1,\)"):
+        acc.setup_optimizers(optimizer)
+    assert acc.strategy.replica_group._optimizers == []  # nothing was watched
+    head = acc.setup(head)
+    acc.setup_optimizers(torch.optim.SGD(head.parameters(), lr=0.1))  # set up, it is accepted
+    acc.strategy.replica_group.shutdown()
