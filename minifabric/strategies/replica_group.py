@@ -163,12 +163,28 @@ class ReplicaGroup:
         the position it takes is the live groups' after their batch. A loader whose position cannot
         be saved (over an ``IterableDataset``) is not healed: such a group reads its data from
         where its script starts it.
+
+        Raises:
+            ValueError: ``dataloader`` reads a map-style dataset through a sampler of the user's own
+                (``use_distributed_sampler=False``): a group that rejoins mid-epoch could not take
+                the live groups' position.
         """
-        if not self.settings.overlap_quorum or self.settings.min_replica_groups > 1:
-            dataloader.call_before_each_batch(self.begin_step)
         try:
             dataloader.state_dict()
+            positioned = True
         except (TypeError, ValueError, RuntimeError):
+            positioned = False
+        sampler = getattr(dataloader, "sampler", None)
+        if positioned and not hasattr(sampler, "resume"):
+            raise ValueError(
+                f"This DataLoader reads its data through a sampler of your own ({type(sampler).__name__}):"
+                " a replica group that rejoins mid-epoch could not take the live groups' position in"
+                " it (it would raise then), and the data is not split across groups. Let minifabric"
+                " split and position it: `acc.setup_dataloaders(loader)` (use_distributed_sampler=True)."
+            )
+        if not self.settings.overlap_quorum or self.settings.min_replica_groups > 1:
+            dataloader.call_before_each_batch(self.begin_step)
+        if not positioned:
             return
         self.register(
             f"minifabric.dataloader{sum(k.startswith('minifabric.dataloader') for k in self._objects)}",

@@ -68,3 +68,13 @@ def test_an_optimizer_of_a_model_that_was_not_set_up_is_refused_at_setup(quorum_
     head = acc.setup(head)
     acc.setup_optimizers(torch.optim.SGD(head.parameters(), lr=0.1))  # set up, it is accepted
     acc.strategy.replica_group.shutdown()
+
+
+def test_a_loader_with_a_sampler_of_its_own_is_refused_at_setup(quorum_manager):  # noqa: F811
+    """It could not take the live groups' position: a group rejoining mid-epoch raised at its first batch."""
+    acc = _launched()
+    with pytest.raises(ValueError, match=r"sampler of your own \(SequentialSampler\).*use_distributed_sampler=True"):
+        acc.setup_dataloaders(DataLoader(torch.arange(10), batch_size=2), use_distributed_sampler=False)
+    assert acc.strategy.replica_group._objects == {"minifabric.precision": acc.precision}
+    acc.setup_dataloaders(DataLoader(torch.arange(10), batch_size=2))  # split and positioned: accepted
+    acc.strategy.replica_group.shutdown()
