@@ -266,12 +266,14 @@ class ReplicaGroup:
         """Ask for the quorum again until ``min_replica_groups`` groups take part in it.
 
         torchft itself would run the step with fewer groups and only refuse its commit, so the loop
-        would draw, compute and drop batch after batch while a group is missing.
+        would draw, compute and drop batch after batch while a group is missing. It gives up when
+        its pauses add up to ``quorum_timeout``: a count, not a clock, so every rank of the group
+        asks the same number of times (each quorum waits for all of them) and all raise together.
         """
         needed, timeout = self.settings.min_replica_groups, self.settings.quorum_timeout
-        deadline, pause = time.monotonic() + timeout.total_seconds(), 0.05
+        waited, pause = 0.0, 0.05
         while (live := self.num_participants) < needed:
-            if time.monotonic() >= deadline:
+            if waited >= timeout.total_seconds():
                 raise RuntimeError(
                     f"Replica group {self.settings.replica_group_id}: only {live} group(s) took part in"
                     f" the quorum for quorum_timeout={timeout}, and min_replica_groups={needed}, so no"
@@ -281,15 +283,15 @@ class ReplicaGroup:
                 )
             if pause == 0.05 and self.group_rank == 0:
                 log.warning(
-                    "Replica group %d: %d group(s) take part and min_replica_groups=%d: waiting (at most"
-                    " %s) for the others before the next batch is drawn",
+                    "Replica group %d: %d group(s) take part and min_replica_groups=%d: waiting (pauses of"
+                    " %s in all) for the others before the next batch is drawn",
                     self.settings.replica_group_id,
                     live,
                     needed,
                     timeout,
                 )
             time.sleep(pause)
-            pause = min(2 * pause, 1.0)
+            waited, pause = waited + pause, min(2 * pause, 1.0)
             self._join_quorum()
 
     def commit(self) -> bool:

@@ -78,3 +78,33 @@ def test_a_loader_with_a_sampler_of_its_own_is_refused_at_setup(quorum_manager):
     assert acc.strategy.replica_group._objects == {"minifabric.precision": acc.precision}
     acc.setup_dataloaders(DataLoader(torch.arange(10), batch_size=2))  # split and positioned: accepted
     acc.strategy.replica_group.shutdown()
+
+
+def test_every_rank_asks_as_often_before_it_gives_up_however_long_its_quorums_take(
+    quorum_manager,  # noqa: F811
+    monkeypatch,
+):
+    """Each quorum waits for all ranks of the group: a rank that asked once more than another would hang."""
+    import time
+
+    from tests.unit.test_fault_tolerance import _replica_group
+
+    def asked(seconds_per_quorum: float) -> int:
+        clock = [0.0]
+        start = quorum_manager.start_quorum
+
+        def slow_quorum() -> None:  # this rank's quorums return late (it reached them later)
+            clock[0] += seconds_per_quorum
+            start()
+
+        with monkeypatch.context() as patch:
+            patch.setattr(time, "monotonic", lambda: clock[0])
+            patch.setattr(time, "sleep", lambda seconds: clock.__setitem__(0, clock[0] + seconds))
+            patch.setattr(quorum_manager, "start_quorum", slow_quorum)
+            quorum_manager.log.clear()
+            group = _replica_group(min_replica_groups=2, quorum_timeout=3)
+            with pytest.raises(RuntimeError, match=r"min_replica_groups=2"):
+                group.begin_step()
+        return quorum_manager.log.count("quorum")
+
+    assert asked(0.0) == asked(0.7) > 1
