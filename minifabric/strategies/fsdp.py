@@ -186,7 +186,7 @@ class FSDPStrategy(Strategy):
                 store_address=(self.environment.main_address, self.environment.main_port),
             )
             # the gradient scaler's scale shapes every update: a rejoining group takes the live one's
-            self.replica_group.register("minifabric.precision", self.precision)
+            self.replica_group.watch_precision(self.precision)
 
     def teardown(self) -> None:
         if self.replica_group is not None:

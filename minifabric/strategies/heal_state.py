@@ -113,3 +113,32 @@ def load_optimizer_state(optimizer: Optimizer, received: dict[str, Any]) -> None
         for index, entry in received["state"].items()
     }
     optimizer.load_state_dict({"state": state, "param_groups": received["param_groups"]})
+
+
+class PrecisionState:
+    """A precision's state as a group sends it: with its name, which the receiving group must share.
+
+    Args:
+        precision: the strategy's precision (its state is the loss scale of ``"16-mixed"``).
+    """
+
+    def __init__(self, precision: Any) -> None:
+        self.precision = precision
+
+    def state_dict(self) -> dict[str, Any]:
+        """The precision's name and state."""
+        return {"name": self.precision.name, "state": self.precision.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a live group's precision state.
+
+        Raises:
+            RuntimeError: the live group trains with another precision.
+        """
+        if state["name"] != self.precision.name:
+            raise RuntimeError(
+                f"A live replica group trains with precision={state['name']!r}, this group with"
+                f" {self.precision.name!r}: their gradients would be averaged together (scaled or not)."
+                f" Every replica group must use the same precision: `Accelerator(precision={state['name']!r})`."
+            )
+        self.precision.load_state_dict(state["state"])

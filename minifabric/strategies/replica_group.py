@@ -48,6 +48,7 @@ from minifabric import process
 from minifabric._torch import at_backward_end, register_global_step_pre_hook
 from minifabric.strategies.fault_tolerance import FaultTolerance
 from minifabric.strategies.heal_state import (
+    PrecisionState,
     load_module_state,
     load_optimizer_state,
     module_state,
@@ -190,6 +191,13 @@ class ReplicaGroup:
             f"minifabric.dataloader{sum(k.startswith('minifabric.dataloader') for k in self._objects)}",
             dataloader,
         )
+
+    def watch_precision(self, precision: Any) -> None:
+        """Heal the precision's state (the loss scale of ``"16-mixed"``); refuse another precision.
+
+        A group with another precision would average its gradients, scaled or not, with theirs.
+        """
+        self.register("minifabric.precision", PrecisionState(precision))
 
     def watch_scheduler(self, scheduler: Any) -> None:
         """Heal ``scheduler``'s state too (the one given to ``acc.setup(..., scheduler=)``).

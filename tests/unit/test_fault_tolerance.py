@@ -328,7 +328,7 @@ def test_the_scaler_and_a_scheduler_given_to_setup_are_healed(quorum_manager):
     group = acc.strategy.replica_group
     group._module_views = [module_state(m) for m in group._modules]  # as `begin_step` takes them
     live = group._state()  # what this group would send: change it as a live group's would be
-    live["objects"]["minifabric.precision"]["scaler"]["scale"] = 32768.0
+    live["objects"]["minifabric.precision"]["state"]["scaler"]["scale"] = 32768.0
     live["objects"]["minifabric.scheduler0"]["last_epoch"] = 7
     quorum_manager.heal = live
     loss = model(torch.ones(2, 4)).sum()  # the step's quorum heals

@@ -75,7 +75,7 @@ def test_a_loader_with_a_sampler_of_its_own_is_refused_at_setup(quorum_manager):
     acc = _launched()
     with pytest.raises(ValueError, match=r"sampler of your own \(SequentialSampler\).*use_distributed_sampler=True"):
         acc.setup_dataloaders(DataLoader(torch.arange(10), batch_size=2), use_distributed_sampler=False)
-    assert acc.strategy.replica_group._objects == {"minifabric.precision": acc.precision}
+    assert list(acc.strategy.replica_group._objects) == ["minifabric.precision"]
     acc.setup_dataloaders(DataLoader(torch.arange(10), batch_size=2))  # split and positioned: accepted
     acc.strategy.replica_group.shutdown()
 
@@ -108,3 +108,18 @@ def test_every_rank_asks_as_often_before_it_gives_up_however_long_its_quorums_ta
         return quorum_manager.log.count("quorum")
 
     assert asked(0.0) == asked(0.7) > 1
+
+
+def test_a_group_with_another_precision_is_refused_at_its_heal(quorum_manager):  # noqa: F811
+    """A "16-mixed" group healing from a "32-true" one kept its own loss scale and averaged scaled gradients."""
+    from tests.unit.test_fault_tolerance import _16_mixed_replica_group
+
+    acc = _16_mixed_replica_group()
+    group = acc.strategy.replica_group
+    live = group._state()
+    live["objects"]["minifabric.precision"] = {"name": "32-true", "state": {}}  # as a "32-true" group sends it
+    quorum_manager.heal = live
+    with pytest.raises(RuntimeError, match=r"precision='32-true', this group with '16-mixed'.*precision='32-true'"):
+        group.begin_step()
+    assert acc.precision.scaler.get_scale() == 65536.0
+    group.shutdown()
