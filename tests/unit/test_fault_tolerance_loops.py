@@ -75,7 +75,7 @@ def test_a_loader_with_a_sampler_of_its_own_is_refused_at_setup(quorum_manager):
     acc = _launched()
     with pytest.raises(ValueError, match=r"sampler of your own \(SequentialSampler\).*use_distributed_sampler=True"):
         acc.setup_dataloaders(DataLoader(torch.arange(10), batch_size=2), use_distributed_sampler=False)
-    assert list(acc.strategy.replica_group._objects) == ["minifabric.precision"]
+    assert list(acc.strategy.replica_group._objects) == ["minifabric.replica_groups", "minifabric.precision"]
     acc.setup_dataloaders(DataLoader(torch.arange(10), batch_size=2))  # split and positioned: accepted
     acc.strategy.replica_group.shutdown()
 
@@ -118,8 +118,28 @@ def test_a_group_with_another_precision_is_refused_at_its_heal(quorum_manager): 
     group = acc.strategy.replica_group
     live = group._state()
     live["objects"]["minifabric.precision"] = {"name": "32-true", "state": {}}  # as a "32-true" group sends it
+    live["objects"]["minifabric.replica_groups"]["id"] = 0
     quorum_manager.heal = live
     with pytest.raises(RuntimeError, match=r"precision='32-true', this group with '16-mixed'.*precision='32-true'"):
         group.begin_step()
     assert acc.precision.scaler.get_scale() == 65536.0
+    group.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("sent", "message"),
+    [
+        ({"id": 0, "groups": 3}, r"num_replica_groups=3, this group with 2"),
+        ({"id": 1, "groups": 2}, r"Two replica groups run with replica_group_id=1"),
+    ],
+)
+def test_groups_that_would_split_the_data_differently_are_refused_at_the_heal(quorum_manager, sent, message):  # noqa: F811
+    """Two groups with one id read the same part of the data; other group counts split it otherwise."""
+    acc = _launched()
+    group = acc.strategy.replica_group
+    live = group._state()
+    live["objects"]["minifabric.replica_groups"] = sent
+    quorum_manager.heal = live
+    with pytest.raises(RuntimeError, match=message):
+        group.begin_step()
     group.shutdown()
