@@ -72,8 +72,11 @@ def load_module_state(module: nn.Module, received: dict[str, torch.Tensor]) -> N
 
 
 def optimizer_state(optimizer: Optimizer) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with every DTensor replaced by its :class:`LocalShard` (no copies)."""
-    return tree_map(_local, optimizer.state_dict())
+    """``optimizer.state_dict()`` with every DTensor replaced by its :class:`LocalShard` (no copies).
+
+    It carries the optimizer's class name too, which the receiving optimizer must share.
+    """
+    return {**tree_map(_local, optimizer.state_dict()), "minifabric.type": type(optimizer).__name__}
 
 
 def load_optimizer_state(optimizer: Optimizer, received: dict[str, Any]) -> None:
@@ -81,7 +84,17 @@ def load_optimizer_state(optimizer: Optimizer, received: dict[str, Any]) -> None
 
     A fresh optimizer (never stepped) gets its state created; hyper-parameters (a scheduled learning
     rate) come from the peer too.
+
+    Raises:
+        RuntimeError: the peer's optimizer is of another class, or holds another number of parameters.
     """
+    sent_type = received.get("minifabric.type", type(optimizer).__name__)
+    if sent_type != type(optimizer).__name__:
+        raise RuntimeError(
+            f"A live replica group sent the state of a {sent_type}; this group steps a"
+            f" {type(optimizer).__name__}. Every replica group must build the same optimizers, in the"
+            " same order."
+        )
     params = optimizer_parameters(optimizer)
     sent = sum(len(group["params"]) for group in received["param_groups"])
     if sent != len(params):

@@ -143,3 +143,23 @@ def test_groups_that_would_split_the_data_differently_are_refused_at_the_heal(qu
     with pytest.raises(RuntimeError, match=message):
         group.begin_step()
     group.shutdown()
+
+
+def test_a_group_with_another_optimizer_is_refused_at_the_heal_naming_both(quorum_manager):  # noqa: F811
+    """An AdamW state was loaded into SGD: its hyper-parameters replaced SGD's (no 'momentum' left)."""
+    from minifabric.strategies.heal_state import module_state
+
+    acc = _launched()
+    model = torch.nn.Linear(4, 1)
+    model, optimizer = acc.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    group = acc.strategy.replica_group
+    group._module_views = [module_state(m) for m in group._modules]  # as `begin_step` takes them
+    live = group._state()
+    live["objects"]["minifabric.replica_groups"]["id"] = 0
+    adamw = torch.optim.AdamW([torch.nn.Parameter(torch.ones(1)) for _ in range(2)])
+    live["optimizers"] = [{**adamw.state_dict(), "minifabric.type": "AdamW"}]  # as an AdamW group sends it
+    quorum_manager.heal = live
+    with pytest.raises(RuntimeError, match=r"sent the state of a AdamW; this group steps a SGD"):
+        model(torch.ones(2, 4))
+    assert optimizer.param_groups[0]["momentum"] == 0.9
+    group.shutdown()
