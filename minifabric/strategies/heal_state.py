@@ -155,3 +155,39 @@ class PrecisionState:
                 f" Every replica group must use the same precision: `Accelerator(precision={state['name']!r})`."
             )
         self.precision.load_state_dict(state["state"])
+
+
+class GroupSettings:
+    """What every group must agree on, sent with the state: a group that heals checks it.
+
+    Args:
+        settings: this group's :class:`~minifabric.FaultTolerance` settings.
+    """
+
+    def __init__(self, settings: Any) -> None:
+        self.settings = settings
+
+    def state_dict(self) -> dict[str, int]:
+        """This group's number and the number of groups."""
+        return {"id": self.settings.replica_group_id, "groups": self.settings.num_replica_groups}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Check a live group's settings against this group's.
+
+        Raises:
+            RuntimeError: another ``num_replica_groups``, or this group's own ``replica_group_id``.
+        """
+        here = self.settings
+        if state["groups"] != here.num_replica_groups:
+            raise RuntimeError(
+                f"A live replica group runs with num_replica_groups={state['groups']}, this group with"
+                f" {here.num_replica_groups}: they would split the data differently (some samples read"
+                " twice, some never). Start every group with the same"
+                f" `FaultTolerance(..., num_replica_groups={state['groups']})`."
+            )
+        if state["id"] == here.replica_group_id:
+            raise RuntimeError(
+                f"Two replica groups run with replica_group_id={here.replica_group_id}: they would read the"
+                " same part of the data. Give each group its own number, from 0 to"
+                f" {here.num_replica_groups - 1}: `FaultTolerance(replica_group_id=..., ...)`."
+            )

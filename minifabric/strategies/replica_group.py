@@ -48,6 +48,7 @@ from minifabric import process
 from minifabric._torch import at_backward_end, register_global_step_pre_hook
 from minifabric.strategies.fault_tolerance import FaultTolerance
 from minifabric.strategies.heal_state import (
+    GroupSettings,
     PrecisionState,
     load_module_state,
     load_optimizer_state,
@@ -92,7 +93,7 @@ class ReplicaGroup:
         self._module_views: list[dict[str, torch.Tensor]] = []  # the modules' tensors, for a heal
         self._step_hook: Any = None  # refuses an optimizer of the watched models that was not set up
         self._manager = _make_manager(self, store_address)
-        self.register("minifabric.replica_groups", _GroupSettings(settings))
+        self.register("minifabric.replica_groups", GroupSettings(settings))
 
     # ---- what this group holds and heals -----------------------------------------------------
 
@@ -434,32 +435,6 @@ class ReplicaGroup:
         for name, obj in self._objects.items():
             obj.load_state_dict(state["objects"][name])
         self.healed_at.append(self.step)
-
-
-class _GroupSettings:
-    """What every group must agree on, sent with the state: a group that heals checks it."""
-
-    def __init__(self, settings: FaultTolerance) -> None:
-        self.settings = settings
-
-    def state_dict(self) -> dict[str, int]:
-        return {"id": self.settings.replica_group_id, "groups": self.settings.num_replica_groups}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        here = self.settings
-        if state["groups"] != here.num_replica_groups:
-            raise RuntimeError(
-                f"A live replica group runs with num_replica_groups={state['groups']}, this group with"
-                f" {here.num_replica_groups}: they would split the data differently (some samples read"
-                " twice, some never). Start every group with the same"
-                f" `FaultTolerance(..., num_replica_groups={state['groups']})`."
-            )
-        if state["id"] == here.replica_group_id:
-            raise RuntimeError(
-                f"Two replica groups run with replica_group_id={here.replica_group_id}: they would read the"
-                " same part of the data. Give each group its own number, from 0 to"
-                f" {here.num_replica_groups - 1}: `FaultTolerance(replica_group_id=..., ...)`."
-            )
 
 
 def _own_parameters(unit: nn.Module) -> list[nn.Parameter]:
