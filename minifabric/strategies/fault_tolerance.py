@@ -40,8 +40,9 @@ class FaultTolerance:
             ``TORCHFT_LIGHTHOUSE`` environment variable.
         min_replica_groups: a step is committed only when at least this many groups took part
             (default 1: training goes on as long as one group lives). While fewer take part, the
-            live groups wait before the next batch is drawn (no forward, no dropped step), at
-            most ``quorum_timeout``, then raise ``RuntimeError``; with
+            live groups wait before the next batch is drawn (no forward, no dropped step), asking
+            again until their pauses add up to ``quorum_timeout`` (the quorums' own round trips
+            come on top), then raise ``RuntimeError``; with
             ``min_replica_groups=num_replica_groups`` they wait until the missing group is back.
         timeout: how long a collective between groups, the copy of the state to a group that
             rejoins, or the agreement to commit may take (``timedelta`` or seconds).

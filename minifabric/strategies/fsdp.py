@@ -187,7 +187,7 @@ class FSDPStrategy(Strategy):
                 store_address=(self.environment.main_address, self.environment.main_port),
             )
             # the gradient scaler's scale shapes every update: a rejoining group takes the live one's
-            self.replica_group.register("minifabric.precision", self.precision)
+            self.replica_group.watch_precision(self.precision)
 
     def teardown(self) -> None:
         if self.replica_group is not None:
@@ -350,7 +350,18 @@ class FSDPStrategy(Strategy):
         With replica groups this is where the group's ranks agree to commit (torchft's
         ``should_commit``, a round trip to the group's manager): the one communication of the step
         outside forward and backward.
+
+        Raises:
+            RuntimeError: with replica groups, a ``closure`` (its forward and backward would run after
+                the commit: a failure in them could not drop the step).
         """
+        if self.replica_group is not None and kwargs.get("closure") is not None:
+            raise RuntimeError(
+                f"optimizer.step(closure) is not supported with fault_tolerance: {type(optimizer).__name__}"
+                " would run the closure's forward and backward after the replica groups agreed to commit"
+                " the step, so a group dying during them could not drop it. Run the forward and"
+                " `acc.backward(loss)` before `optimizer.step()`, with an optimizer that takes no closure."
+            )
         if self.replica_group is None or self.replica_group.commit():
             return super().optimizer_step(optimizer, **kwargs)
         scaler = getattr(self.precision, "scaler", None)

@@ -72,8 +72,11 @@ def load_module_state(module: nn.Module, received: dict[str, torch.Tensor]) -> N
 
 
 def optimizer_state(optimizer: Optimizer) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with every DTensor replaced by its :class:`LocalShard` (no copies)."""
-    return tree_map(_local, optimizer.state_dict())
+    """``optimizer.state_dict()`` with every DTensor replaced by its :class:`LocalShard` (no copies).
+
+    It carries the optimizer's class name too, which the receiving optimizer must share.
+    """
+    return {**tree_map(_local, optimizer.state_dict()), "minifabric.type": type(optimizer).__name__}
 
 
 def load_optimizer_state(optimizer: Optimizer, received: dict[str, Any]) -> None:
@@ -81,7 +84,17 @@ def load_optimizer_state(optimizer: Optimizer, received: dict[str, Any]) -> None
 
     A fresh optimizer (never stepped) gets its state created; hyper-parameters (a scheduled learning
     rate) come from the peer too.
+
+    Raises:
+        RuntimeError: the peer's optimizer is of another class, or holds another number of parameters.
     """
+    sent_type = received.get("minifabric.type", type(optimizer).__name__)
+    if sent_type != type(optimizer).__name__:
+        raise RuntimeError(
+            f"A live replica group sent the state of a {sent_type}; this group steps a"
+            f" {type(optimizer).__name__}. Every replica group must build the same optimizers, in the"
+            " same order."
+        )
     params = optimizer_parameters(optimizer)
     sent = sum(len(group["params"]) for group in received["param_groups"])
     if sent != len(params):
@@ -113,3 +126,68 @@ def load_optimizer_state(optimizer: Optimizer, received: dict[str, Any]) -> None
         for index, entry in received["state"].items()
     }
     optimizer.load_state_dict({"state": state, "param_groups": received["param_groups"]})
+
+
+class PrecisionState:
+    """A precision's state as a group sends it: with its name, which the receiving group must share.
+
+    Args:
+        precision: the strategy's precision (its state is the loss scale of ``"16-mixed"``).
+    """
+
+    def __init__(self, precision: Any) -> None:
+        self.precision = precision
+
+    def state_dict(self) -> dict[str, Any]:
+        """The precision's name and state."""
+        return {"name": self.precision.name, "state": self.precision.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a live group's precision state.
+
+        Raises:
+            RuntimeError: the live group trains with another precision.
+        """
+        if state["name"] != self.precision.name:
+            raise RuntimeError(
+                f"A live replica group trains with precision={state['name']!r}, this group with"
+                f" {self.precision.name!r}: their gradients would be averaged together (scaled or not)."
+                f" Every replica group must use the same precision: `Accelerator(precision={state['name']!r})`."
+            )
+        self.precision.load_state_dict(state["state"])
+
+
+class GroupSettings:
+    """What every group must agree on, sent with the state: a group that heals checks it.
+
+    Args:
+        settings: this group's :class:`~minifabric.FaultTolerance` settings.
+    """
+
+    def __init__(self, settings: Any) -> None:
+        self.settings = settings
+
+    def state_dict(self) -> dict[str, int]:
+        """This group's number and the number of groups."""
+        return {"id": self.settings.replica_group_id, "groups": self.settings.num_replica_groups}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Check a live group's settings against this group's.
+
+        Raises:
+            RuntimeError: another ``num_replica_groups``, or this group's own ``replica_group_id``.
+        """
+        here = self.settings
+        if state["groups"] != here.num_replica_groups:
+            raise RuntimeError(
+                f"A live replica group runs with num_replica_groups={state['groups']}, this group with"
+                f" {here.num_replica_groups}: they would split the data differently (some samples read"
+                " twice, some never). Start every group with the same"
+                f" `FaultTolerance(..., num_replica_groups={state['groups']})`."
+            )
+        if state["id"] == here.replica_group_id:
+            raise RuntimeError(
+                f"Two replica groups run with replica_group_id={here.replica_group_id}: they would read the"
+                " same part of the data. Give each group its own number, from 0 to"
+                f" {here.num_replica_groups - 1}: `FaultTolerance(replica_group_id=..., ...)`."
+            )

@@ -45,9 +45,11 @@ from torch import nn
 from torch.optim import Optimizer
 
 from minifabric import process
-from minifabric._torch import at_backward_end
+from minifabric._torch import at_backward_end, register_global_step_pre_hook
 from minifabric.strategies.fault_tolerance import FaultTolerance
 from minifabric.strategies.heal_state import (
+    GroupSettings,
+    PrecisionState,
     load_module_state,
     load_optimizer_state,
     module_state,
@@ -89,7 +91,9 @@ class ReplicaGroup:
         self._decision: bool | None = None  # the last step's commit, shared by its optimizers
         self._pending: list[Any] = []  # this backward's cross-group all-reduces still running
         self._module_views: list[dict[str, torch.Tensor]] = []  # the modules' tensors, for a heal
+        self._step_hook: Any = None  # refuses an optimizer of the watched models that was not set up
         self._manager = _make_manager(self, store_address)
+        self.register("minifabric.replica_groups", GroupSettings(settings))
 
     # ---- what this group holds and heals -----------------------------------------------------
 
@@ -110,9 +114,43 @@ class ReplicaGroup:
         for unit in units:
             unit.set_all_reduce_hook(partial(self._average_across_groups, _own_parameters(unit)))
         self._modules.append(module)
+        if self._step_hook is None:
+            self._step_hook = register_global_step_pre_hook(self._refuse_unwatched_step)
+
+    def _refuse_unwatched_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        """Before any optimizer's step: one that was not set up must not step a watched model.
+
+        Its step would never commit (so no later step would ask for a quorum, and a group that
+        died or rejoined would go unnoticed) and its state would not be healed.
+        """
+        if any(optimizer is watched for watched in self._optimizers):
+            return
+        ours = {id(p) for module in self._modules for p in module.parameters()}
+        if any(id(p) in ours for group in optimizer.param_groups for p in group["params"]):
+            raise RuntimeError(
+                f"This {type(optimizer).__name__} steps the parameters of a model set up with"
+                " fault_tolerance, but it was not set up: its steps would not commit across replica"
+                " groups nor be copied to a group that rejoins. Set it up before the loop:"
+                " `optimizer = acc.setup_optimizers(optimizer)`."
+            )
 
     def watch_optimizer(self, optimizer: Optimizer) -> None:
-        """Heal ``optimizer``'s state (moments, step counts, learning rates) from a live group."""
+        """Heal ``optimizer``'s state (moments, step counts, learning rates) from a live group.
+
+        Raises:
+            ValueError: ``optimizer`` holds parameters of no model set up with ``fault_tolerance``
+                (their gradients would never be averaged across groups, nor their values healed).
+        """
+        ours = {id(p) for module in self._modules for p in module.parameters()}
+        foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in ours]
+        if foreign:
+            raise ValueError(
+                f"{type(optimizer).__name__} holds {len(foreign)} parameter(s) of no model set up with"
+                f" fault_tolerance (shapes: {', '.join(str(tuple(p.shape)) for p in foreign[:4])}): their"
+                " gradients would not be averaged across replica groups, so the groups would drift"
+                " apart. Set up every model the optimizer steps first: `model = acc.setup(model)`, then"
+                " `optimizer = acc.setup_optimizers(optimizer)` (or `acc.setup(model, optimizer)`)."
+            )
         self._optimizers.append(optimizer)
 
     def watch_dataloader(self, dataloader: Any) -> None:
@@ -128,17 +166,40 @@ class ReplicaGroup:
         the position it takes is the live groups' after their batch. A loader whose position cannot
         be saved (over an ``IterableDataset``) is not healed: such a group reads its data from
         where its script starts it.
+
+        Raises:
+            ValueError: ``dataloader`` reads a map-style dataset through a sampler of the user's own
+                (``use_distributed_sampler=False``): a group that rejoins mid-epoch could not take
+                the live groups' position.
         """
-        if not self.settings.overlap_quorum or self.settings.min_replica_groups > 1:
-            dataloader.call_before_each_batch(self.begin_step)
         try:
             dataloader.state_dict()
+            positioned = True
         except (TypeError, ValueError, RuntimeError):
+            positioned = False
+        sampler = getattr(dataloader, "sampler", None)
+        if positioned and not hasattr(sampler, "resume"):
+            raise ValueError(
+                f"This DataLoader reads its data through a sampler of your own ({type(sampler).__name__}):"
+                " a replica group that rejoins mid-epoch could not take the live groups' position in"
+                " it (it would raise then), and the data is not split across groups. Let minifabric"
+                " split and position it: `acc.setup_dataloaders(loader)` (use_distributed_sampler=True)."
+            )
+        if not self.settings.overlap_quorum or self.settings.min_replica_groups > 1:
+            dataloader.call_before_each_batch(self.begin_step)
+        if not positioned:
             return
         self.register(
             f"minifabric.dataloader{sum(k.startswith('minifabric.dataloader') for k in self._objects)}",
             dataloader,
         )
+
+    def watch_precision(self, precision: Any) -> None:
+        """Heal the precision's state (the loss scale of ``"16-mixed"``); refuse another precision.
+
+        A group with another precision would average its gradients, scaled or not, with theirs.
+        """
+        self.register("minifabric.precision", PrecisionState(precision))
 
     def watch_scheduler(self, scheduler: Any) -> None:
         """Heal ``scheduler``'s state too (the one given to ``acc.setup(..., scheduler=)``).
@@ -215,12 +276,14 @@ class ReplicaGroup:
         """Ask for the quorum again until ``min_replica_groups`` groups take part in it.
 
         torchft itself would run the step with fewer groups and only refuse its commit, so the loop
-        would draw, compute and drop batch after batch while a group is missing.
+        would draw, compute and drop batch after batch while a group is missing. It gives up when
+        its pauses add up to ``quorum_timeout``: a count, not a clock, so every rank of the group
+        asks the same number of times (each quorum waits for all of them) and all raise together.
         """
         needed, timeout = self.settings.min_replica_groups, self.settings.quorum_timeout
-        deadline, pause = time.monotonic() + timeout.total_seconds(), 0.05
+        waited, pause = 0.0, 0.05
         while (live := self.num_participants) < needed:
-            if time.monotonic() >= deadline:
+            if waited >= timeout.total_seconds():
                 raise RuntimeError(
                     f"Replica group {self.settings.replica_group_id}: only {live} group(s) took part in"
                     f" the quorum for quorum_timeout={timeout}, and min_replica_groups={needed}, so no"
@@ -230,15 +293,15 @@ class ReplicaGroup:
                 )
             if pause == 0.05 and self.group_rank == 0:
                 log.warning(
-                    "Replica group %d: %d group(s) take part and min_replica_groups=%d: waiting (at most"
-                    " %s) for the others before the next batch is drawn",
+                    "Replica group %d: %d group(s) take part and min_replica_groups=%d: waiting (pauses of"
+                    " %s in all) for the others before the next batch is drawn",
                     self.settings.replica_group_id,
                     live,
                     needed,
                     timeout,
                 )
             time.sleep(pause)
-            pause = min(2 * pause, 1.0)
+            waited, pause = waited + pause, min(2 * pause, 1.0)
             self._join_quorum()
 
     def commit(self) -> bool:
@@ -338,6 +401,9 @@ class ReplicaGroup:
 
     def shutdown(self) -> None:
         """Stop the manager's servers (its lighthouse client and the state server)."""
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
         self._manager.shutdown(wait=False)
 
     # ---- healing (called by torchft) -----------------------------------------------------------

@@ -273,7 +273,12 @@ def test_a_rejoining_group_heals_before_it_draws_its_first_batch(acc, quorum_man
     group = _replica_group()
     loader = acc.setup_dataloaders(DataLoader(_Logged(quorum_manager.log), batch_size=2))
     group.watch_dataloader(loader)
-    quorum_manager.heal = {"modules": [], "optimizers": [], "objects": {"minifabric.dataloader0": position}}
+    live_group = {"id": 1, "groups": 2}  # the live group's settings
+    quorum_manager.heal = {
+        "modules": [],
+        "optimizers": [],
+        "objects": {"minifabric.replica_groups": live_group, "minifabric.dataloader0": position},
+    }
     first = next(iter(loader))
     assert first.tolist() == [6, 7]  # the live group's next batch, not the start of the epoch
     assert quorum_manager.log == ["quorum", "read 6", "read 7"]  # nothing read before the heal
@@ -328,8 +333,9 @@ def test_the_scaler_and_a_scheduler_given_to_setup_are_healed(quorum_manager):
     group = acc.strategy.replica_group
     group._module_views = [module_state(m) for m in group._modules]  # as `begin_step` takes them
     live = group._state()  # what this group would send: change it as a live group's would be
-    live["objects"]["minifabric.precision"]["scaler"]["scale"] = 32768.0
+    live["objects"]["minifabric.precision"]["state"]["scaler"]["scale"] = 32768.0
     live["objects"]["minifabric.scheduler0"]["last_epoch"] = 7
+    live["objects"]["minifabric.replica_groups"]["id"] = 0
     quorum_manager.heal = live
     loss = model(torch.ones(2, 4)).sum()  # the step's quorum heals
     assert acc.precision.scaler.get_scale() == 32768.0 and scheduler.last_epoch == 7
