@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from minifabric._torch import module_registration_hooks, tensor_version
+from minifabric._torch import inside_distribute_module, module_registration_hooks, tensor_version
 from minifabric.init.recipe import RECORDS, SEALED, Base, Handle, handle_of, is_dtensor, module_record
 from minifabric.init.record import Recorder
 from minifabric.init.verify import noting_constructions
@@ -160,9 +160,11 @@ def following_init_records(places: list[Place]) -> Iterator[None]:
     entry every tensor of ``places`` (:func:`~minifabric.init.materialize.recorded_places`) is bound
     to its record by identity, so the record follows the tensor, not the module that held it, and
     ``setup`` materializes the modules now in the model. A meta tensor registered in place of a
-    recorded one is that tensor laid out anew only if it is a DTensor of the same shape
-    (``parallelize_module`` registers one per planned parameter): it takes over the record. Any
-    other meta tensor registered inside has no record, and ``setup`` refuses it, naming it.
+    recorded one is that tensor laid out anew only if it is a DTensor of the same shape registered
+    from inside torch's ``distribute_module`` (every ``parallelize_module`` style registers one per
+    planned parameter there): it takes over the record. Any other meta tensor registered inside
+    (also a DTensor made by hand, ``distribute_tensor(w * 0.5, ...)``, whose values may differ)
+    has no record, and ``setup`` refuses it, naming it.
     """
     for sub, name, is_param, handle in places:
         tensor = (sub._parameters if is_param else sub._buffers)[name]
@@ -174,7 +176,13 @@ def following_init_records(places: list[Place]) -> Iterator[None]:
             return tensor
         handle = handle_of(tensor)
         old = table.get(name)
-        if handle is None and is_dtensor(tensor) and old is not None and old.shape == tensor.shape:
+        if (
+            handle is None
+            and is_dtensor(tensor)
+            and old is not None
+            and old.shape == tensor.shape
+            and inside_distribute_module()
+        ):
             handle = handle_of(old)  # `parallelize_module`: the same parameter, laid out over the mesh
             if handle is not None:
                 RECORDS[tensor] = handle

@@ -163,9 +163,11 @@ def _unknown_after(where: str, rebuilt_by: str) -> str:
     return (
         f"The {where} is on the meta device with no recorded init after {rebuilt_by} ran: that code put it"
         " there (e.g. a module it built on the meta device that did not take over the original"
-        " `Parameter` objects), so its value is unknown and `setup` would leave it uninitialized. Let the"
-        " new module take over the old one's parameters and buffers, as torchao's `from_float` does"
-        " (`new.weight = old.weight`), or build the model with `acc.init_module(empty_init=False)`."
+        " `Parameter` objects, or a DTensor it made by hand with `distribute_tensor`), so its value is"
+        " unknown and `setup` would leave it uninitialized. Let the new module take over the old one's"
+        " parameters and buffers, as torchao's `from_float` does (`new.weight = old.weight`), lay"
+        " parameters out with `parallelize_module` or `distribute_module`, or build the model with"
+        " `acc.init_module(empty_init=False)`."
     )
 
 
