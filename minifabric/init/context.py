@@ -151,7 +151,7 @@ def keeping_init_records(module: nn.Module) -> Iterator[None]:
 
 
 @contextmanager
-def following_init_records(places: list[Place]) -> Iterator[None]:
+def following_init_records(places: list[Place], root: nn.Module | None = None) -> Iterator[None]:
     """Inside, each recorded meta tensor carries its record into whatever module it is registered in.
 
     Around user code that rebuilds modules of a meta-built model before it is materialized (a
@@ -165,11 +165,25 @@ def following_init_records(places: list[Place]) -> Iterator[None]:
     planned parameter there): it takes over the record. Any other meta tensor registered inside
     (also a DTensor made by hand, ``distribute_tensor(w * 0.5, ...)``, whose values may differ)
     has no record, and ``setup`` refuses it, naming it.
+
+    An in-place write inside (``nn.init.zeros_(model.head.weight)``) does nothing on the meta device
+    and is not recorded: one to a recorded tensor (also to a DTensor the plan registered) raises
+    when the code returned, naming it. Writes through ``.data`` and to tensors that ``fully_shard``
+    made are not seen. ``root``: the model, to name such a tensor.
     """
+    prefixes = {id(sub): f"{prefix}." if prefix else "" for prefix, sub in (root.named_modules() if root else ())}
+
+    def label(sub: nn.Module, name: str) -> str:
+        prefix = prefixes.get(id(sub))  # None: a module built inside, named by its class
+        return f"{type(sub).__name__}.{name}" if prefix is None else repr(f"{prefix}{name}")
+
+    watched: list[tuple[str, torch.Tensor, int]] = []  # (name, tensor, its version counter when bound)
     for sub, name, is_param, handle in places:
         tensor = (sub._parameters if is_param else sub._buffers)[name]
         if tensor is not None and handle_of(tensor) is None:
             RECORDS[tensor] = handle
+        if tensor is not None:
+            watched.append((label(sub, name), tensor, tensor_version(tensor)))
 
     def follow(module: nn.Module, name: str, tensor: torch.Tensor, table: dict) -> torch.Tensor:
         if not tensor.is_meta:
@@ -186,6 +200,8 @@ def following_init_records(places: list[Place]) -> Iterator[None]:
             handle = handle_of(old)  # `parallelize_module`: the same parameter, laid out over the mesh
             if handle is not None:
                 RECORDS[tensor] = handle
+        if handle is not None:
+            watched.append((label(module, name), tensor, tensor_version(tensor)))
         record = module_record(module, create=handle is not None)
         if record is not None:
             if handle is None:
@@ -199,3 +215,12 @@ def following_init_records(places: list[Place]) -> Iterator[None]:
         lambda module, name, buffer: follow(module, name, buffer, module._buffers),
     ):
         yield
+    written = list(dict.fromkeys(name for name, t, version in watched if tensor_version(t) != version))
+    if written:
+        raise ValueError(
+            f"{', '.join(written)} (meta-built, not yet materialized) was changed in place by code that ran"
+            " after `init_module(empty_init=True)` ended (a `parallelize_fn`): on the meta device the write"
+            " does nothing and is not recorded, so `setup` cannot reproduce it. Move the init into the"
+            " block, right after constructing the model: `with acc.init_module(empty_init=True): model ="
+            " Model(); init_weights(model)`; or build it with `acc.init_module(empty_init=False)`."
+        )

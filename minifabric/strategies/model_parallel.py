@@ -203,7 +203,7 @@ class ModelParallelStrategy(Strategy):
             parallelized = self.parallelize(module.to(self.root_device), compiler)
             recorded_places(parallelized, rebuilt_by=f"parallelize_fn {fn!r}")  # a meta tensor it made: refused
             return parallelized
-        with following_init_records(places):  # a record follows its tensor into a module the function built
+        with following_init_records(places, module):  # a record follows its tensor into a module the function built
             parallelized = self.parallelize(module, compiler)
         places = recorded_places(parallelized, rebuilt_by=f"parallelize_fn {fn!r}")
         self._materialize(parallelized, places, self.root_device, self.root_device, built=module)

@@ -192,3 +192,21 @@ def test_the_self_check_runs_when_parallelize_fn_returns_a_wrapper() -> None:
         model = _SkipsMeta()
     with pytest.warns(UserWarning, match=r"does not hold the _SkipsMeta .* set up unchecked"):
         acc.setup(model)
+
+
+def _zero_head(model: nn.Module, mesh) -> nn.Module:
+    nn.init.zeros_(model[1].weight)  # does nothing on meta; eager construction gets zeros
+    return model
+
+
+def _plan_then_zero_head(model: nn.Module, mesh) -> nn.Module:
+    return _zero_head(_planned(model, mesh), mesh)
+
+
+@pytest.mark.parametrize("fn", [_zero_head, _plan_then_zero_head])
+def test_an_init_inside_parallelize_fn_is_refused(fn) -> None:
+    acc = _model_parallel(fn)
+    with acc.init_module(empty_init=True):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"'1\.weight' .*was changed in place .*parallelize_fn"):
+        acc.setup(model)
