@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from minifabric._torch import inside_distribute_module, module_registration_hooks, tensor_version
+from minifabric._torch import inside_distribute_module, module_registration_hooks, storage_key, tensor_version
 from minifabric.init.recipe import RECORDS, SEALED, Base, Handle, handle_of, is_dtensor, module_record
 from minifabric.init.record import Recorder
 from minifabric.init.verify import noting_constructions
@@ -177,13 +177,13 @@ def following_init_records(places: list[Place], root: nn.Module | None = None) -
         prefix = prefixes.get(id(sub))  # None: a module built inside, named by its class
         return f"{type(sub).__name__}.{name}" if prefix is None else repr(f"{prefix}{name}")
 
-    watched: list[tuple[str, torch.Tensor, int]] = []  # (name, tensor, its version counter when bound)
+    watched: list[tuple[str, torch.Tensor, tuple]] = []  # (name, tensor, its state when bound)
     for sub, name, is_param, handle in places:
         tensor = (sub._parameters if is_param else sub._buffers)[name]
         if tensor is not None and handle_of(tensor) is None:
             RECORDS[tensor] = handle
         if tensor is not None:
-            watched.append((label(sub, name), tensor, tensor_version(tensor)))
+            watched.append((label(sub, name), tensor, _state(tensor)))
 
     def follow(module: nn.Module, name: str, tensor: torch.Tensor, table: dict) -> torch.Tensor:
         if not tensor.is_meta:
@@ -201,7 +201,7 @@ def following_init_records(places: list[Place], root: nn.Module | None = None) -
             if handle is not None:
                 RECORDS[tensor] = handle
         if handle is not None:
-            watched.append((label(module, name), tensor, tensor_version(tensor)))
+            watched.append((label(module, name), tensor, _state(tensor)))
         record = module_record(module, create=handle is not None)
         if record is not None:
             if handle is None:
@@ -215,12 +215,25 @@ def following_init_records(places: list[Place], root: nn.Module | None = None) -
         lambda module, name, buffer: follow(module, name, buffer, module._buffers),
     ):
         yield
-    written = list(dict.fromkeys(name for name, t, version in watched if tensor_version(t) != version))
+    written = list(dict.fromkeys(name for name, t, state in watched if _changed(t, state)))
     if written:
         raise ValueError(
-            f"{', '.join(written)} (meta-built, not yet materialized) was changed in place by code that ran"
-            " after `init_module(empty_init=True)` ended (a `parallelize_fn`): on the meta device the write"
-            " does nothing and is not recorded, so `setup` cannot reproduce it. Move the init into the"
+            f"{', '.join(written)} (meta-built, not yet materialized) was changed in place, or its `.data`"
+            " replaced, by code that ran after `init_module(empty_init=True)` ended (a `parallelize_fn`): on"
+            " the meta device that does nothing and is not recorded, so `setup` cannot reproduce it. A"
+            " dtype conversion (`model.to(torch.bfloat16)`) is fine. Move the init into the"
             " block, right after constructing the model: `with acc.init_module(empty_init=True): model ="
             " Model(); init_weights(model)`; or build it with `acc.init_module(empty_init=False)`."
         )
+
+
+def _state(t: torch.Tensor) -> tuple:
+    return tensor_version(t), storage_key(t), t.dtype, t.shape, t.stride()
+
+
+def _changed(t: torch.Tensor, state: tuple) -> bool:
+    """Written in place since ``state``, or given other ``.data`` (a new dtype alone, as ``.to``, is not a change)."""
+    version, key, dtype, shape, stride = state
+    if tensor_version(t) != version:
+        return True
+    return storage_key(t) != key and (t.dtype == dtype or t.shape != shape or t.stride() != stride)

@@ -208,5 +208,26 @@ def test_an_init_inside_parallelize_fn_is_refused(fn) -> None:
     acc = _model_parallel(fn)
     with acc.init_module(empty_init=True):
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    with pytest.raises(ValueError, match=r"'1\.weight' .*was changed in place .*parallelize_fn"):
+    with pytest.raises(ValueError, match=r"'1\.weight' .*was changed in place.*parallelize_fn"):
         acc.setup(model)
+
+
+def _transpose_head(model: nn.Module, mesh) -> nn.Module:
+    model[1].weight.data = model[1].weight.data.t().contiguous()  # same shape, other values
+    return model
+
+
+def test_data_replaced_inside_parallelize_fn_is_refused_and_a_dtype_conversion_is_not() -> None:
+    acc = _model_parallel(_transpose_head)
+    with acc.init_module(empty_init=True):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"'1\.weight' .*its `\.data` replaced"):
+        acc.setup(model)
+
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).to(torch.bfloat16)
+    torch.manual_seed(0)
+    acc = _model_parallel(lambda model, mesh: _planned(model.to(torch.bfloat16), mesh))
+    with acc.init_module(empty_init=True):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    assert mismatches(eager, acc.setup(model).module) == []
