@@ -160,7 +160,7 @@ def test_a_meta_tensor_parallelize_fn_leaves_in_a_plain_meta_model_is_refused() 
     acc = _model_parallel(_swap_with_scale)
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-    with pytest.raises(ValueError, match=r"buffer '0\.amax' .*\(in _WithScale\).*after parallelize_fn"):
+    with pytest.raises(ValueError, match=r"buffer '0\.amax' of Sequential \(in _WithScale\).*after parallelize_fn"):
         acc.setup(model)
 
 
