@@ -116,6 +116,15 @@ def recorded_places(module: nn.Module, rebuilt_by: str | None = None) -> list[Pl
                 sealed = SEALED.get(t)
                 if sealed is not None and tensor_version(t) != sealed:
                     raise ValueError(_changed_after(prefix, name, where))
+                if rebuilt_by is not None and handle_of(t) is None and tensor_version(t):
+                    # made inside that code (its `fully_shard`, a `copy.deepcopy`), then written there
+                    raise ValueError(
+                        f"The {where} was changed in place by {rebuilt_by}, which made it (its own"
+                        " `fully_shard`) from a meta-built one: on the meta device the write does nothing and"
+                        " is not recorded, so `setup` cannot reproduce it. Move the init into the"
+                        " `init_module(empty_init=True)` block, right after constructing the model, or build it"
+                        " with `acc.init_module(empty_init=False)`."
+                    )
                 base = handle.base
                 if base.problem is not None:
                     raise ValueError(
