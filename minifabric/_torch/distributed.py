@@ -3,6 +3,8 @@ and the autograd engine's end-of-backward callback that FSDP2 itself uses."""
 
 from __future__ import annotations
 
+import sys
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -211,3 +213,20 @@ def _fsdp_to_sharded_hook_code() -> Any:
         if getattr(const, "co_name", None) == "to_sharded_hook"
     ]
     return codes[0] if len(codes) == 1 else object()  # not found: no hook is taken for FSDP's
+
+
+def inside_distribute_module() -> bool:
+    """Whether torch's ``distribute_module`` is running on the caller's stack (found by its code object).
+
+    Every tensor-parallel style (``parallelize_module``) registers its DTensors from inside it,
+    made with ``distribute_tensor`` from the parameter that was there: a re-layout, same values.
+    """
+    from torch.distributed.tensor import distribute_module
+
+    code = distribute_module.__code__
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False

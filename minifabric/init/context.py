@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from minifabric._torch import module_registration_hooks, tensor_version
+from minifabric._torch import inside_distribute_module, module_registration_hooks, storage_key, tensor_version
 from minifabric.init.recipe import RECORDS, SEALED, Base, Handle, handle_of, is_dtensor, module_record
 from minifabric.init.record import Recorder
 from minifabric.init.verify import noting_constructions
@@ -151,7 +151,7 @@ def keeping_init_records(module: nn.Module) -> Iterator[None]:
 
 
 @contextmanager
-def following_init_records(places: list[Place]) -> Iterator[None]:
+def following_init_records(places: list[Place], root: nn.Module | None = None) -> Iterator[None]:
     """Inside, each recorded meta tensor carries its record into whatever module it is registered in.
 
     Around user code that rebuilds modules of a meta-built model before it is materialized (a
@@ -160,24 +160,48 @@ def following_init_records(places: list[Place]) -> Iterator[None]:
     entry every tensor of ``places`` (:func:`~minifabric.init.materialize.recorded_places`) is bound
     to its record by identity, so the record follows the tensor, not the module that held it, and
     ``setup`` materializes the modules now in the model. A meta tensor registered in place of a
-    recorded one is that tensor laid out anew only if it is a DTensor of the same shape
-    (``parallelize_module`` registers one per planned parameter): it takes over the record. Any
-    other meta tensor registered inside has no record, and ``setup`` refuses it, naming it.
+    recorded one is that tensor laid out anew only if it is a DTensor of the same shape registered
+    from inside torch's ``distribute_module`` (every ``parallelize_module`` style registers one per
+    planned parameter there): it takes over the record. Any other meta tensor registered inside
+    (also a DTensor made by hand, ``distribute_tensor(w * 0.5, ...)``, whose values may differ)
+    has no record, and ``setup`` refuses it, naming it.
+
+    An in-place write inside (``nn.init.zeros_(model.head.weight)``) does nothing on the meta device
+    and is not recorded: one to a recorded tensor (also to a DTensor the plan registered) raises
+    when the code returned, naming it. Writes through ``.data`` and to tensors that ``fully_shard``
+    made are not seen. ``root``: the model, to name such a tensor.
     """
+    prefixes = {id(sub): f"{prefix}." if prefix else "" for prefix, sub in (root.named_modules() if root else ())}
+
+    def label(sub: nn.Module, name: str) -> str:
+        prefix = prefixes.get(id(sub))  # None: a module built inside, named by its class
+        return f"{type(sub).__name__}.{name}" if prefix is None else repr(f"{prefix}{name}")
+
+    watched: list[tuple[str, torch.Tensor, tuple]] = []  # (name, tensor, its state when bound)
     for sub, name, is_param, handle in places:
         tensor = (sub._parameters if is_param else sub._buffers)[name]
         if tensor is not None and handle_of(tensor) is None:
             RECORDS[tensor] = handle
+        if tensor is not None:
+            watched.append((label(sub, name), tensor, _state(tensor)))
 
     def follow(module: nn.Module, name: str, tensor: torch.Tensor, table: dict) -> torch.Tensor:
         if not tensor.is_meta:
             return tensor
         handle = handle_of(tensor)
         old = table.get(name)
-        if handle is None and is_dtensor(tensor) and old is not None and old.shape == tensor.shape:
+        if (
+            handle is None
+            and is_dtensor(tensor)
+            and old is not None
+            and old.shape == tensor.shape
+            and inside_distribute_module()
+        ):
             handle = handle_of(old)  # `parallelize_module`: the same parameter, laid out over the mesh
             if handle is not None:
                 RECORDS[tensor] = handle
+        if handle is not None:
+            watched.append((label(module, name), tensor, _state(tensor)))
         record = module_record(module, create=handle is not None)
         if record is not None:
             if handle is None:
@@ -191,3 +215,25 @@ def following_init_records(places: list[Place]) -> Iterator[None]:
         lambda module, name, buffer: follow(module, name, buffer, module._buffers),
     ):
         yield
+    written = list(dict.fromkeys(name for name, t, state in watched if _changed(t, state)))
+    if written:
+        raise ValueError(
+            f"{', '.join(written)} (meta-built, not yet materialized) was changed in place, or its `.data`"
+            " replaced, by code that ran after `init_module(empty_init=True)` ended (a `parallelize_fn`): on"
+            " the meta device that does nothing and is not recorded, so `setup` cannot reproduce it. A"
+            " dtype conversion (`model.to(torch.bfloat16)`) is fine. Move the init into the"
+            " block, right after constructing the model: `with acc.init_module(empty_init=True): model ="
+            " Model(); init_weights(model)`; or build it with `acc.init_module(empty_init=False)`."
+        )
+
+
+def _state(t: torch.Tensor) -> tuple:
+    return tensor_version(t), storage_key(t), t.dtype, t.shape, t.stride()
+
+
+def _changed(t: torch.Tensor, state: tuple) -> bool:
+    """Written in place since ``state``, or given other ``.data`` (a new dtype alone, as ``.to``, is not a change)."""
+    version, key, dtype, shape, stride = state
+    if tensor_version(t) != version:
+        return True
+    return storage_key(t) != key and (t.dtype == dtype or t.shape != shape or t.stride() != stride)

@@ -18,6 +18,7 @@ is its shards plus the largest parameter.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -94,7 +95,7 @@ def recorded_places(module: nn.Module, rebuilt_by: str | None = None) -> list[Pl
             anything is changed: call it on every rank before any collective.
     """
     places: list[Place] = []
-    root = type(module).__name__
+    root = _class_name(module)
     for prefix, sub in module.named_modules():
         _refuse_reset_set_after(prefix, sub, root)
         for is_param, tensors in ((True, sub._parameters), (False, sub._buffers)):
@@ -102,7 +103,7 @@ def recorded_places(module: nn.Module, rebuilt_by: str | None = None) -> list[Pl
                 if t is None or not t.is_meta:
                     continue
                 label = f"{'parameter' if is_param else 'buffer'} {f'{prefix}.{name}' if prefix else name!r}"
-                where = f"{label} of {root} (in {type(sub).__name__})"
+                where = f"{label} of {root} (in {_class_name(sub)})"
                 handle = _handle_at(sub, name, t)
                 if handle is None and rebuilt_by is not None:
                     raise ValueError(_unknown_after(where, rebuilt_by))
@@ -115,6 +116,15 @@ def recorded_places(module: nn.Module, rebuilt_by: str | None = None) -> list[Pl
                 sealed = SEALED.get(t)
                 if sealed is not None and tensor_version(t) != sealed:
                     raise ValueError(_changed_after(prefix, name, where))
+                if rebuilt_by is not None and handle_of(t) is None and tensor_version(t):
+                    # made inside that code (its `fully_shard`, a `copy.deepcopy`), then written there
+                    raise ValueError(
+                        f"The {where} was changed in place by {rebuilt_by}, which made it (its own"
+                        " `fully_shard`) from a meta-built one: on the meta device the write does nothing and"
+                        " is not recorded, so `setup` cannot reproduce it. Move the init into the"
+                        " `init_module(empty_init=True)` block, right after constructing the model, or build it"
+                        " with `acc.init_module(empty_init=False)`."
+                    )
                 base = handle.base
                 if base.problem is not None:
                     raise ValueError(
@@ -128,13 +138,22 @@ def recorded_places(module: nn.Module, rebuilt_by: str | None = None) -> list[Pl
                     raise ValueError(
                         f"The {where} is created with {made} (or `new_empty`/`empty_like`) and never"
                         " initialized in `__init__`: eager construction leaves it as uninitialized memory,"
-                        f" so there is no value to reproduce. Initialize it in `{type(sub).__name__}.__init__`,"
+                        f" so there is no value to reproduce. Initialize it in `{_class_name(sub)}.__init__`,"
                         f" e.g. `torch.nn.init.normal_(self.{name}, std=0.02)`, or call"
                         " `self.reset_parameters()` (or the root's `self.init_weights()`) at the end of"
                         " `__init__`."
                     )
                 places.append((sub, name, is_param, handle))
     return places
+
+
+def _class_name(module: nn.Module) -> str:
+    """The module's own class name: ``fully_shard`` makes ``FSDP<Name>``, a subclass of it, which users never wrote."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    cls = type(module)
+    if fsdp is not None and cls.__bases__[:1] == (fsdp.FSDPModule,) and len(cls.__bases__) == 2:
+        cls = cls.__bases__[1]
+    return cls.__name__
 
 
 def _refuse_reset_set_after(prefix: str, sub: nn.Module, root: str) -> None:
@@ -150,7 +169,7 @@ def _refuse_reset_set_after(prefix: str, sub: nn.Module, root: str) -> None:
         return
     where = f"`{prefix}.reset_parameters`" if prefix else "`reset_parameters`"
     raise ValueError(
-        f"{where} of {root} (in {type(sub).__name__}) was set after `init_module(empty_init=True)` ended."
+        f"{where} of {root} (in {_class_name(sub)}) was set after `init_module(empty_init=True)` ended."
         " Lightning Fabric calls it when FSDP materializes the model; `setup` here gives the weights of"
         " eager construction and never calls it. Call the init inside the block, right after"
         " constructing the model: `with acc.init_module(empty_init=True): model = Model();"
@@ -163,9 +182,11 @@ def _unknown_after(where: str, rebuilt_by: str) -> str:
     return (
         f"The {where} is on the meta device with no recorded init after {rebuilt_by} ran: that code put it"
         " there (e.g. a module it built on the meta device that did not take over the original"
-        " `Parameter` objects), so its value is unknown and `setup` would leave it uninitialized. Let the"
-        " new module take over the old one's parameters and buffers, as torchao's `from_float` does"
-        " (`new.weight = old.weight`), or build the model with `acc.init_module(empty_init=False)`."
+        " `Parameter` objects, or a DTensor it made by hand with `distribute_tensor`), so its value is"
+        " unknown and `setup` would leave it uninitialized. Let the new module take over the old one's"
+        " parameters and buffers, as torchao's `from_float` does (`new.weight = old.weight`), lay"
+        " parameters out with `parallelize_module` or `distribute_module`, or build the model with"
+        " `acc.init_module(empty_init=False)`."
     )
 
 

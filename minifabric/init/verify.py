@@ -126,7 +126,7 @@ def wants_check(module: nn.Module) -> bool:
 
 
 def self_check(
-    module: nn.Module, build_context: Callable[[], ContextManager]
+    module: nn.Module, build_context: Callable[[], ContextManager], root: nn.Module | None = None
 ) -> Callable[[str, torch.Tensor], None] | None:
     """Build ``module`` again eagerly; return the check :func:`materialize` calls with each full value.
 
@@ -135,6 +135,8 @@ def self_check(
     Args:
         module: a model built inside ``init_module(empty_init=True, verify=True)``.
         build_context: the context the model was built in (the precision's default dtype).
+        root: the model that is materialized, when it is not ``module`` but holds it (a
+            ``parallelize_fn`` that returned a wrapper): the check is given names in ``root``.
 
     Raises:
         InitMismatch: the first difference, naming the tensor (or the random stream) and the fix.
@@ -145,6 +147,15 @@ def self_check(
             f"The meta-init self-check cannot rebuild this {type(module).__name__}: it was not constructed"
             " directly inside `init_module(empty_init=True, verify=True)` (a copy, or a module assembled from"
             " parts), so it is set up unchecked.",
+            stacklevel=3,
+        )
+        return None
+    prefix = "" if root is None or root is module else _prefix_in(root, module)
+    if prefix is None:
+        warnings.warn(
+            f"The meta-init self-check cannot compare {type(root).__name__} with the eager build: it does not"
+            f" hold the {type(module).__name__} that was built under `init_module(empty_init=True, verify=True)`"
+            " (parallelize_fn returned another model), so it is set up unchecked.",
             stacklevel=3,
         )
         return None
@@ -169,9 +180,14 @@ def self_check(
             _compare(built.cls, name, t.detach().cpu(), expected)
 
     def check(name: str, full: torch.Tensor) -> None:
-        _compare(built.cls, name, full, expected)
+        _compare(built.cls, name.removeprefix(prefix), full, expected)
 
     return check
+
+
+def _prefix_in(root: nn.Module, module: nn.Module) -> str | None:
+    """``"name."`` of ``module`` inside ``root``, or None if ``root`` does not hold it."""
+    return next((f"{name}." for name, sub in root.named_modules() if sub is module), None)
 
 
 def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -198,13 +198,15 @@ class ModelParallelStrategy(Strategy):
         """
         module, compiler = self._compiler(module)
         places = self._recorded_places(module)  # raises before any collective if an init cannot be reproduced
-        if not places:
-            return self.parallelize(module.to(self.root_device), compiler)
-        with following_init_records(places):  # a record follows its tensor into a module the function built
-            parallelized = self.parallelize(module, compiler)
         fn = getattr(self.parallelize_fn, "__name__", repr(self.parallelize_fn))
+        if not places:
+            parallelized = self.parallelize(module.to(self.root_device), compiler)
+            recorded_places(parallelized, rebuilt_by=f"parallelize_fn {fn!r}")  # a meta tensor it made: refused
+            return parallelized
+        with following_init_records(places, module):  # a record follows its tensor into a module the function built
+            parallelized = self.parallelize(module, compiler)
         places = recorded_places(parallelized, rebuilt_by=f"parallelize_fn {fn!r}")
-        self._materialize(parallelized, places, self.root_device, self.root_device)
+        self._materialize(parallelized, places, self.root_device, self.root_device, built=module)
         return parallelized
 
     def parallelize(self, module: nn.Module, compiler: Compiler | None = None) -> nn.Module:

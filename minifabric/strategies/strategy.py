@@ -246,7 +246,12 @@ class Strategy:
         return recorded_places(module)
 
     def _materialize(
-        self, module: nn.Module, places: list, device: torch.device, buffer_device: torch.device | None = None
+        self,
+        module: nn.Module,
+        places: list,
+        device: torch.device,
+        buffer_device: torch.device | None = None,
+        built: nn.Module | None = None,
     ) -> None:
         """Give ``module``'s meta tensors their eager values (:func:`minifabric.init.materialize`).
 
@@ -254,18 +259,20 @@ class Strategy:
         strategy calls this after placing the model. With several ranks, each replays rank 0's random
         draws (a script may seed each rank differently before building the model: rank 0's model is
         the one set up, as under DDP). A model built with the self-check on is compared with an eager
-        build on rank 0; a difference raises on every rank.
+        build on rank 0; a difference raises on every rank. ``built``: the model as constructed, when
+        ``module`` is another one that holds it (a ``parallelize_fn``'s).
         """
+        built = module if built is None else built
         if not places:
             return
         if self.world_size > 1:  # per-rank seeds before construction: every rank replays rank 0's draws
             adopt_rank_zero_init(places, self.global_rank, self.broadcast, self.any_rank)
-        if not wants_check(module):
+        if not wants_check(built):
             materialize(module, places, device, buffer_device)
             return
         error = None
         try:
-            check = self_check(module, self.precision.tensor_init_context) if self.is_global_zero else None
+            check = self_check(built, self.precision.tensor_init_context, module) if self.is_global_zero else None
             materialize(module, places, device, buffer_device, on_value=check)
         except InitMismatch as e:
             error = str(e)
