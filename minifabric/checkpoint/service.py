@@ -87,7 +87,7 @@ class Checkpointer:
         self._comm: Comm | None = None
         self._pending: SaveHandle | None = None
         # CPU copies of the last asynchronous save, reused by the next one (one model copy in RAM).
-        self._buffers: dict[str, Any] = {}
+        self._buffers: dict[tuple, Any] = {}
         self._exit_hook: Callable[[], None] | None = None  # cancels the exit hook
 
     @property

@@ -79,7 +79,7 @@ def gather_full(tree: Any, keep: bool) -> Any:
     return map_tree(tree, full)
 
 
-def _copy_into(tensor: torch.Tensor, key: str, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+def _copy_into(tensor: torch.Tensor, key: tuple, buffers: dict[tuple, torch.Tensor]) -> torch.Tensor:
     """A CPU copy of ``tensor``, written into the buffer kept under ``key`` when one of its kind exists.
 
     The buffer of a CUDA tensor is page-locked: the device-to-host copy, which the caller waits
@@ -101,22 +101,23 @@ def _copy_into(tensor: torch.Tensor, key: str, buffers: dict[str, torch.Tensor])
 _IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 
 
-def stage(tree: Any, buffers: dict[str, torch.Tensor] | None = None) -> Any:
+def stage(tree: Any, buffers: dict[tuple, torch.Tensor] | None = None) -> Any:
     """A copy of ``tree`` that nothing done to ``tree`` afterwards changes: tensors copied to CPU.
 
     DTensors keep their layout; containers are rebuilt, and any other mutable leaf (a set, a
     user's object) is deep-copied, so training may go on while the copy is written. With
     ``buffers`` (kept by the caller between saves), the copies reuse the buffers of the previous
-    save: the copy is then a plain memcpy, without allocating and faulting in fresh memory.
+    save: the copy is then a plain memcpy, without allocating and faulting in fresh memory. A
+    buffer is keyed by the leaf's path itself (no joined string, under which ``{"a/b": x}`` and
+    ``{"a": {"b": y}}``, or the keys ``0`` and ``"0"``, would share one buffer and save ``y`` twice).
     """
     buffers = {} if buffers is None else buffers
 
     def copy(path: tuple, leaf: Any) -> Any:
-        key = "/".join(map(str, path))
         if isinstance(leaf, DTensor):
-            return shard_like(_copy_into(leaf.to_local(), key, buffers), leaf)
+            return shard_like(_copy_into(leaf.to_local(), path, buffers), leaf)
         if isinstance(leaf, torch.Tensor):
-            return _copy_into(leaf, key, buffers)
+            return _copy_into(leaf, path, buffers)
         return leaf if isinstance(leaf, _IMMUTABLE) else copy_module.deepcopy(leaf)
 
     return map_tree(tree, copy)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import minifabric.checkpoint.service as service
+import minifabric.checkpoint.tensors as tensors
 import minifabric.checkpoint.writer as writer
 from minifabric import Accelerator, CheckpointError
 
@@ -99,3 +100,25 @@ def test_a_failed_background_save_surfaces_at_the_next_save_or_load(tmp_path, mo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good"]  # nothing half-written, "next" not begun
     acc.save(tmp_path / "next", {"model": model})  # reported once: the next save runs
     acc.load(tmp_path / "next", {"model": model})
+
+
+@pytest.mark.parametrize("strategy", ["auto", "fsdp"])
+@pytest.mark.parametrize(
+    "values",
+    [
+        pytest.param(lambda a, b: {"a/b": a, "a": {"b": b}}, id="slash-in-a-key"),
+        pytest.param(lambda a, b: {0: a, "0": b}, id="int-and-str-key"),
+    ],
+)
+def test_async_save_keeps_leaves_whose_joined_paths_coincide_apart(tmp_path, strategy, values):
+    """Two tensors of one shape whose paths read alike once joined get a buffer each: both are saved."""
+    acc = Accelerator(accelerator="cpu", devices=1, strategy=strategy)
+    acc.launch()
+    model = acc.setup(torch.nn.Linear(4, 4))
+    for _ in range(2):  # the second save reuses the first one's buffers
+        handle = acc.save(tmp_path / "ckpt", {"model": model, "vals": values(torch.ones(3), torch.full((3,), 2.0))},
+                          asynchronous=True)  # fmt: skip
+        handle.wait()
+        state = {"model": model, "vals": None}
+        acc.load(tmp_path / "ckpt", state)
+        assert tensors.equal(state["vals"], values(torch.ones(3), torch.full((3,), 2.0)))
