@@ -27,14 +27,30 @@ def map_tree(tree: Any, fn: Callable[[tuple, Any], Any], path: tuple = ()) -> An
     return fn(path, tree)
 
 
-def split(prefix: str, tree: Any, only_dtensors: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
-    """Replace every tensor (or only every DTensor) in ``tree`` by a reference; return the new tree and ``{key: tensor}``."""
-    tensors: dict[str, torch.Tensor] = {}
+def split(
+    prefix: str, tree: Any, only_dtensors: bool = False, into: dict[str, torch.Tensor] | None = None
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Replace every tensor (or only every DTensor) in ``tree`` by a reference; return the new tree and ``{key: tensor}``.
+
+    ``into`` (the tensors of the entries split before) is filled and returned instead of a new dict.
+
+    Raises:
+        ValueError: two tensors whose paths join to one key (``{"a/b": x, "a": {"b": y}}``, the
+            keys ``0`` and ``"0"``): one would be saved in place of the other.
+    """
+    tensors: dict[str, torch.Tensor] = {} if into is None else into
 
     def take(path: tuple, leaf: Any) -> Any:
         if not isinstance(leaf, DTensor if only_dtensors else torch.Tensor):
             return leaf
         key = "/".join(map(str, (prefix, *path)))
+        if key in tensors:
+            raise ValueError(
+                f"Two tensors of state would be saved under the one key {key!r} (the path"
+                f" {[prefix, *path]!r} and another whose parts join alike), and one would be read back"
+                " in place of the other. Nothing was written. Fix: rename a key so that no key"
+                " contains '/' and no dict holds both 0 and '0'."
+            )
         tensors[key] = leaf
         return make_ref(key, leaf)
 

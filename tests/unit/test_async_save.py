@@ -122,3 +122,18 @@ def test_async_save_keeps_leaves_whose_joined_paths_coincide_apart(tmp_path, str
         state = {"model": model, "vals": None}
         acc.load(tmp_path / "ckpt", state)
         assert tensors.equal(state["vals"], values(torch.ones(3), torch.full((3,), 2.0)))
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_sharded_save_refuses_two_dtensors_whose_keys_join_alike(tmp_path, asynchronous):
+    """DTensors among plain values go to the shard files by joined path: one would be read back for both."""
+    acc = Accelerator(accelerator="cpu", devices=1, strategy="fsdp")
+    acc.launch()
+    model = acc.setup(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))
+    weights = model.state_dict()
+    values = {"a/b": weights["0.weight"], "a": {"b": weights["1.weight"]}}
+    with pytest.raises(CheckpointError, match="one key 'vals/a/b'"):
+        handle = acc.save(tmp_path / "ckpt", {"model": model, "vals": values}, asynchronous=asynchronous)
+        if handle is not None:
+            handle.wait()
+    assert not (tmp_path / "ckpt").exists()
