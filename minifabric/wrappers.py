@@ -202,13 +202,14 @@ class _WrappedModule(nn.Module):
         Under FSDP the parameters are DTensors, and ``nn.Module.load_state_dict`` refuses plain
         tensors for them. Each full tensor (``torch.load`` of a file, litgpt's ``lazy_load``, read
         on every rank) is cut to this rank's shard first, without communication; a shape that
-        differs from the model's raises ``ValueError`` before anything is loaded.
+        differs from the model's raises ``ValueError``, and with ``strict`` a missing or unexpected
+        key ``RuntimeError``, before anything is loaded.
         """
         from minifabric.checkpoint.layout import module_state
 
         module = self._original_module
         return module.load_state_dict(
-            module_state(module, state_dict, assign=assign), strict=strict, assign=assign
+            module_state(module, state_dict, assign=assign, strict=strict), strict=strict, assign=assign
         )
 
     def __getattr__(self, name: str) -> Any:

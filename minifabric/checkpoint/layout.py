@@ -20,33 +20,50 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from minifabric._torch import laid_out_like
+from minifabric._torch import laid_out_like, load_pre_hooks_keep_nothing
 
 
-def module_state(module: nn.Module, state_dict: Any, *, assign: bool = False) -> Any:
+def module_state(module: nn.Module, state_dict: Any, *, assign: bool = False, strict: bool = False) -> Any:
     """``state_dict`` with every full tensor for a sharded tensor of ``module`` cut to this rank's shard.
 
     A tensor-like value (one that defines ``__torch_function__``, such as the not-yet-loaded tensors
     of Lightning's ``lazy_load``) is read first. Returns ``state_dict`` itself where ``module`` holds
     no DTensor. Keeps the dict's ``_metadata`` (the modules' state-dict versions).
 
+    With ``strict``, missing and unexpected keys raise before anything is loaded too (torch's own
+    ``load_state_dict`` copies every matching tensor first), where every module of ``module`` loads
+    with ``nn.Module``'s own code (no load pre-hook but FSDP2's, which may rename keys).
+
     Raises:
-        ValueError: a full tensor whose shape differs from the sharded tensor's full shape, or
-            ``assign=True`` with full tensors (it would replace the sharded parameters); nothing is loaded.
+        ValueError: a full tensor whose shape differs from the sharded tensor's full shape, a value
+            that is no tensor for a sharded tensor, or ``assign=True`` with full tensors (it would
+            replace the sharded parameters); nothing is loaded.
+        RuntimeError: with ``strict``, keys missing from ``state_dict`` or not in the model; nothing is loaded.
     """
     live = module.state_dict()
     sharded = {k: v for k, v in live.items() if isinstance(v, DTensor)}
     if not sharded or not isinstance(state_dict, dict):
         return state_dict
+    if strict and _loads_plainly(module):
+        missing = [k for k in live if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in live]
+        if missing or unexpected:
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(module).__name__}: missing key(s): {missing},"
+                f" unexpected key(s): {unexpected}. Nothing was loaded. Fix: pass the model's keys, or"
+                " `model.load_state_dict(state_dict, strict=False)` to load the matching ones."
+            )
     out: dict[str, Any] = OrderedDict()
     wrong: list[str] = []
     for key, value in state_dict.items():
         like = sharded.get(key)
         if like is not None and not isinstance(value, DTensor):
             value = _read(value)
-            if isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(like.shape):
-                wrong.append(f"{key}: state dict {tuple(value.shape)}, model {tuple(like.shape)}")
-            elif isinstance(value, torch.Tensor):
+            if not isinstance(value, torch.Tensor):
+                wrong.append(f"{key}: state dict a {type(value).__name__}, model a tensor of {tuple(like.shape)}")
+            elif tuple(value.shape) != tuple(like.shape):
+                wrong.append(f"shape mismatch: {key}: state dict {tuple(value.shape)}, model {tuple(like.shape)}")
+            else:
                 if assign:
                     raise ValueError(
                         f"load_state_dict(..., assign=True) with the full tensor {key!r} would replace a"
@@ -57,7 +74,7 @@ def module_state(module: nn.Module, state_dict: Any, *, assign: bool = False) ->
         out[key] = value
     if wrong:
         raise ValueError(
-            "The state dict does not match the model: shape mismatch: "
+            "The state dict does not match the model: "
             + "; ".join(wrong)
             + ". Nothing was loaded."
         )
@@ -65,6 +82,17 @@ def module_state(module: nn.Module, state_dict: Any, *, assign: bool = False) ->
     if metadata is not None:
         out._metadata = metadata  # type: ignore[attr-defined]
     return out
+
+
+def _loads_plainly(module: nn.Module) -> bool:
+    """Whether ``module`` loads with ``nn.Module``'s own code: the keys it takes are its state dict's."""
+    loads, copies = nn.Module.load_state_dict.__code__, nn.Module._load_from_state_dict.__code__
+    return getattr(type(module).load_state_dict, "__code__", None) is loads and all(
+        load_pre_hooks_keep_nothing(sub)
+        and "_load_from_state_dict" not in vars(sub)
+        and getattr(type(sub)._load_from_state_dict, "__code__", None) is copies
+        for sub in module.modules()
+    )
 
 
 def _read(value: Any) -> Any:

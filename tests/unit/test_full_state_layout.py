@@ -72,3 +72,25 @@ def test_load_of_an_optimizer_state_dict_file_points_to_load_raw(tmp_path: Path)
         acc.load(tmp_path / "optimizer.pt", {"optimizer": optimizer})
     assert "strict=False" not in str(raised.value)
     acc.load_raw(tmp_path / "optimizer.pt", optimizer)  # the fix works
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "match"),
+    [
+        ({"junk": torch.zeros(1)}, RuntimeError, r"unexpected key\(s\): \['junk'\]. Nothing was loaded"),
+        ({"bias": None}, RuntimeError, r"missing key\(s\): \['bias'\]"),
+        ({"bias": [0.0, 0.0, 0.0]}, ValueError, r"bias: state dict a list, model a tensor of \(3,\)"),
+    ],
+    ids=["unexpected-key", "missing-key", "not-a-tensor"],
+)
+def test_a_bad_key_under_strict_changes_nothing_in_a_sharded_model(bad, error, match) -> None:
+    """torch's own load_state_dict copies every matching tensor and then raises: here nothing is copied."""
+    model, _ = _fsdp_model_and_optimizer()
+    before = _full(model.state_dict())
+    full = {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}
+    full.update(bad)
+    full = {k: v for k, v in full.items() if v is not None}
+    with pytest.raises(error, match=match):
+        model.load_state_dict(full)
+    for key, value in _full(model.state_dict()).items():
+        assert torch.equal(value, before[key]), key
