@@ -293,10 +293,12 @@ class _WrappedOptimizer:
         """``Optimizer.load_state_dict``; full state of sharded parameters is cut to this rank's shard.
 
         Saved parameters pair with the live ones by position, as in torch. State that cannot be laid
-        out like its sharded parameter raises ``ValueError`` before anything is loaded.
+        out like its sharded parameter, or state keyed by parameter name (whose names position would
+        ignore), raises ``ValueError`` before anything is loaded.
         """
-        from minifabric.checkpoint.layout import optimizer_state
+        from minifabric.checkpoint.layout import optimizer_state, refuse_named
 
+        refuse_named(state_dict)
         self._optimizer.load_state_dict(optimizer_state(self._optimizer, state_dict))
 
     def zero_grad(self, set_to_none: bool = True) -> None:

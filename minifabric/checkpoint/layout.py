@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from minifabric._torch import laid_out_like, load_pre_hooks_keep_nothing
+from minifabric.checkpoint.names import is_named
 
 
 def module_state(module: nn.Module, state_dict: Any, *, assign: bool = False, strict: bool = False) -> Any:
@@ -100,6 +101,24 @@ def _read(value: Any) -> Any:
     if isinstance(value, torch.Tensor) or not hasattr(type(value), "__torch_function__"):
         return value
     return torch.detach(value)  # dispatched to its `__torch_function__`, which reads it
+
+
+def refuse_named(state_dict: Any) -> None:
+    """Refuse optimizer state keyed by parameter name where it would be paired by position.
+
+    ``Optimizer.load_state_dict`` pairs the saved parameters with the live ones by position and
+    ignores their names: state saved for another order of parameters would land on the wrong ones.
+
+    Raises:
+        ValueError: ``state_dict``'s groups name their parameters; nothing is loaded.
+    """
+    if is_named(state_dict):
+        raise ValueError(
+            "This optimizer state is keyed by parameter name (torch's `get_optimizer_state_dict`), and"
+            " `optimizer.load_state_dict` pairs parameters by position, ignoring the names. Nothing was"
+            " loaded. Fix: `torch.save(state_dict, path)` and `acc.load_raw(path, optimizer)`, which"
+            " matches the names to the set-up model's parameters."
+        )
 
 
 def optimizer_state(optimizer: Optimizer, state_dict: Any, where: str = "optimizer") -> Any:

@@ -94,3 +94,31 @@ def test_a_bad_key_under_strict_changes_nothing_in_a_sharded_model(bad, error, m
         model.load_state_dict(full)
     for key, value in _full(model.state_dict()).items():
         assert torch.equal(value, before[key]), key
+
+
+def test_name_keyed_optimizer_state_is_refused_by_load_state_dict_and_matched_by_name_by_load_raw(
+    tmp_path: Path,
+) -> None:
+    """The live optimizer lists the parameters in another order than the saved one: by position, every
+    parameter would receive another one's moments."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    reference_optimizer = torch.optim.AdamW(reference.parameters())
+    reference(torch.randn(2, 4)).sum().backward()
+    reference_optimizer.step()
+    named = get_optimizer_state_dict(reference, reference_optimizer, options=StateDictOptions(full_state_dict=True))
+    acc = Accelerator(accelerator="cpu", strategy="fsdp", devices=1)
+    acc.launch()
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    first, second = list(model[0].parameters()), list(model[1].parameters())
+    model, optimizer = acc.setup(model, torch.optim.AdamW([*second, *first]))
+    with pytest.raises(ValueError, match=r"keyed by parameter name.*acc.load_raw\(path, optimizer\)"):
+        optimizer.load_state_dict(named)
+    assert not optimizer.state  # nothing loaded
+    torch.save(named, tmp_path / "named.pt")
+    acc.load_raw(tmp_path / "named.pt", optimizer)
+    names = ["1.weight", "1.bias", "0.weight", "0.bias"]
+    for name, param in zip(names, optimizer.param_groups[0]["params"], strict=True):
+        assert torch.equal(optimizer.state[param]["exp_avg"].full_tensor(), named["state"][name]["exp_avg"]), name
