@@ -5,6 +5,8 @@ The equality with one process on 2 ranks is in tests/distributed/test_full_state
 
 from __future__ import annotations
 
+import gc
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,3 +124,24 @@ def test_name_keyed_optimizer_state_is_refused_by_load_state_dict_and_matched_by
     names = ["1.weight", "1.bias", "0.weight", "0.bias"]
     for name, param in zip(names, optimizer.param_groups[0]["params"], strict=True):
         assert torch.equal(optimizer.state[param]["exp_avg"].full_tensor(), named["state"][name]["exp_avg"]), name
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+@pytest.mark.parametrize("strategy", ["auto", "fsdp"])
+def test_load_raw_into_a_fresh_optimizer_leaves_no_view_of_the_file(tmp_path: Path, strategy: str) -> None:
+    """The file is read mapped; state no live tensor receives (a fresh optimizer's, `step`) is copied out."""
+    reference = nn.Linear(64, 64)
+    reference_optimizer = torch.optim.AdamW(reference.parameters())
+    reference(torch.randn(2, 64)).sum().backward()
+    reference_optimizer.step()
+    torch.save(reference_optimizer.state_dict(), tmp_path / "optimizer.pt")
+    acc = Accelerator(accelerator="cpu", strategy=strategy, devices=1)
+    acc.launch()
+    model = nn.Linear(64, 64)
+    model, optimizer = acc.setup(model, torch.optim.AdamW(model.parameters()))
+    acc.load_raw(tmp_path / "optimizer.pt", optimizer)
+    gc.collect()
+    assert str(tmp_path) not in Path("/proc/self/maps").read_text()
+    for param, saved in zip(model.parameters(), reference_optimizer.state.values(), strict=True):
+        moment = optimizer.state[param]["exp_avg"]
+        assert torch.equal(moment.full_tensor() if strategy == "fsdp" else moment, saved["exp_avg"])
