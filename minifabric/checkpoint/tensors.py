@@ -99,8 +99,14 @@ def _copy_into(tensor: torch.Tensor, key: tuple, buffers: dict[tuple, torch.Tens
     """A CPU copy of ``tensor``, written into the buffer kept under ``key`` when one of its kind exists.
 
     The buffer of a CUDA tensor is page-locked: the device-to-host copy, which the caller waits
-    for, then runs several times faster than into pageable memory.
+    for, then runs several times faster than into pageable memory. A tensor that is not a plain
+    dense one (sparse, quantized, nested, a subclass) gets a copy of its own kind instead: a
+    dense buffer cannot hold it, or would hold it converted.
     """
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or (
+        tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested
+    ):
+        return tensor.detach().to("cpu", copy=True)
     buffer = buffers.get(key)
     pinned = tensor.is_cuda
     if (

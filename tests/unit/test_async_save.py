@@ -137,3 +137,18 @@ def test_sharded_save_refuses_two_dtensors_whose_keys_join_alike(tmp_path, async
         if handle is not None:
             handle.wait()
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_async_save_copies_a_sparse_tensor_as_a_sparse_one(tmp_path):
+    """A dense buffer cannot hold it: the synchronous save wrote it, the asynchronous one failed."""
+    acc = Accelerator(accelerator="cpu")
+    acc.launch()
+    model = acc.setup(torch.nn.Linear(4, 4))
+    sparse = torch.eye(3).to_sparse()
+    handle = acc.save(tmp_path / "ckpt.pt", {"model": model, "adjacency": sparse}, asynchronous=True)
+    sparse.values().mul_(5)  # changed in place after the call
+    handle.wait()
+    state = {"model": model, "adjacency": None}
+    acc.load(tmp_path / "ckpt.pt", state)
+    assert state["adjacency"].is_sparse
+    assert torch.equal(state["adjacency"].to_dense(), torch.eye(3))
