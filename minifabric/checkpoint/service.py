@@ -147,14 +147,17 @@ class Checkpointer:
         The tensors, the side record and this rank's record (stateful objects' state dicts) are
         copied, so nothing training does afterwards (``optimizer.step()``, an update by hand, a
         tensor among ``state``'s values changed in place) reaches the checkpoint. The copies reuse
-        the previous save's buffers. A failure is kept for the agreement, which raises it on every rank.
+        the previous save's buffers. A failure is kept for the agreement, which raises it on every rank;
+        Ctrl-C (or ``SystemExit``) while collecting or copying is raised here, on the calling thread.
         """
         error, record = payload.pending
+        if error is not None and not isinstance(error, Exception):
+            raise error
         if error is not None:
             return payload
         try:
             tensors, tree, record = stage((payload.tensors, payload.record, record), self._buffers)
-        except BaseException as err:  # raised on every rank by the agreement
+        except Exception as err:  # raised on every rank by the agreement
             return saving.Payload(payload.tensors, payload.record, (err, record))
         return saving.Payload(tensors, tree, (None, record))
 

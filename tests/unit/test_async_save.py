@@ -152,3 +152,20 @@ def test_async_save_copies_a_sparse_tensor_as_a_sparse_one(tmp_path):
     acc.load(tmp_path / "ckpt.pt", state)
     assert state["adjacency"].is_sparse
     assert torch.equal(state["adjacency"].to_dense(), torch.eye(3))
+
+
+def test_ctrl_c_during_the_copy_of_an_async_save_is_raised_by_the_call(tmp_path, monkeypatch):
+    """It was kept as the save's failure: the call returned a handle and training went on."""
+    acc = Accelerator(accelerator="cpu")
+    acc.launch()
+    model = acc.setup(torch.nn.Linear(4, 4))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(service, "stage", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        acc.save(tmp_path / "ckpt.pt", {"model": model}, asynchronous=True)
+    monkeypatch.undo()
+    acc.save(tmp_path / "ckpt.pt", {"model": model}, asynchronous=True).wait()  # nothing pending is left
+    assert (tmp_path / "ckpt.pt").is_file()
