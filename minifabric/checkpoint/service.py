@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from minifabric import process, signals
@@ -123,13 +124,16 @@ class Checkpointer:
         form = state_dict_type
         if form not in ("full", "sharded"):
             raise ValueError(f'state_dict_type={form!r} is not supported. Use "sharded" or "full".')
-        job, record = saving.prepare(self.comm, path, state, form, keep_last, filter or {})
-        payload = saving.collect(job, state, record, agree=not asynchronous)
-        if not asynchronous:
-            saving.write(job, payload)
-            saving.commit(job, payload)
-            return None
-        staged = self._snapshot(payload)
+        # Under `torch.inference_mode()` a sharded model's state_dict() fails (a DTensor's detach),
+        # and the CPU copies, kept for the next save, would be inference tensors it cannot write into.
+        with torch.inference_mode(False), torch.no_grad():
+            job, record = saving.prepare(self.comm, path, state, form, keep_last, filter or {})
+            payload = saving.collect(job, state, record, agree=not asynchronous)
+            if not asynchronous:
+                saving.write(job, payload)
+                saving.commit(job, payload)
+                return None
+            staged = self._snapshot(payload)
 
         def in_background() -> None:
             agreed = saving.agree_collected(job, staged)  # a copy failed on one rank fails it on every rank

@@ -169,3 +169,20 @@ def test_ctrl_c_during_the_copy_of_an_async_save_is_raised_by_the_call(tmp_path,
     monkeypatch.undo()
     acc.save(tmp_path / "ckpt.pt", {"model": model}, asynchronous=True).wait()  # nothing pending is left
     assert (tmp_path / "ckpt.pt").is_file()
+
+
+@pytest.mark.parametrize("strategy", ["auto", "fsdp"])
+def test_a_save_under_inference_mode_and_the_next_one_outside_it_both_complete(tmp_path, strategy):
+    """Under inference_mode a sharded state_dict() failed, and the kept copies became inference
+    tensors that the next asynchronous save, outside that mode, could not write into."""
+    acc = Accelerator(accelerator="cpu", devices=1, strategy=strategy)
+    acc.launch()
+    model = acc.setup(torch.nn.Linear(4, 4))
+    with torch.inference_mode():  # e.g. a save at the end of an evaluation loop
+        acc.save(tmp_path / "eval", {"model": model, "t": torch.ones(2)}, asynchronous=True).wait()
+        acc.save(tmp_path / "eval-sync", {"model": model, "t": torch.ones(2)})
+    acc.save(tmp_path / "train", {"model": model, "t": torch.full((2,), 2.0)}, asynchronous=True).wait()
+    for name, value in (("eval", 1.0), ("eval-sync", 1.0), ("train", 2.0)):
+        state = {"model": model, "t": None}
+        acc.load(tmp_path / name, state)
+        assert torch.equal(state["t"], torch.full((2,), value))
