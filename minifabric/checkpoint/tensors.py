@@ -129,20 +129,27 @@ def stage(tree: Any, buffers: dict[tuple, torch.Tensor] | None = None) -> Any:
     DTensors keep their layout; containers are rebuilt, and any other mutable leaf (a set, a
     user's object) is deep-copied, so training may go on while the copy is written. With
     ``buffers`` (kept by the caller between saves), the copies reuse the buffers of the previous
-    save: the copy is then a plain memcpy, without allocating and faulting in fresh memory. A
-    buffer is keyed by the leaf's path itself (no joined string, under which ``{"a/b": x}`` and
-    ``{"a": {"b": y}}``, or the keys ``0`` and ``"0"``, would share one buffer and save ``y`` twice).
+    save: the copy is then a plain memcpy, without allocating and faulting in fresh memory. Only
+    this save's buffers are kept (a key a later save does not name would otherwise hold its
+    memory for the rest of the run). A buffer is keyed by the leaf's path itself (no joined
+    string, under which ``{"a/b": x}`` and ``{"a": {"b": y}}``, or the keys ``0`` and ``"0"``,
+    would share one buffer and save ``y`` twice).
     """
     buffers = {} if buffers is None else buffers
+    used: set[tuple] = set()
 
     def copy(path: tuple, leaf: Any) -> Any:
+        used.add(path)
         if isinstance(leaf, DTensor):
             return shard_like(_copy_into(leaf.to_local(), path, buffers), leaf)
         if isinstance(leaf, torch.Tensor):
             return _copy_into(leaf, path, buffers)
         return leaf if isinstance(leaf, _IMMUTABLE) else copy_module.deepcopy(leaf)
 
-    return map_tree(tree, copy)
+    staged = map_tree(tree, copy)
+    for key in buffers.keys() - used:  # kept are the buffers of this save only
+        del buffers[key]
+    return staged
 
 
 def equal(a: Any, b: Any) -> bool:

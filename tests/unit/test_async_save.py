@@ -186,3 +186,15 @@ def test_a_save_under_inference_mode_and_the_next_one_outside_it_both_complete(t
         state = {"model": model, "t": None}
         acc.load(tmp_path / name, state)
         assert torch.equal(state["t"], torch.full((2,), value))
+
+
+def test_async_save_keeps_only_the_last_saves_copies(tmp_path):
+    """A value saved once (a key that names its step) must not hold its CPU copy for the rest of the run."""
+    acc = Accelerator(accelerator="cpu")
+    acc.launch()
+    model = acc.setup(torch.nn.Linear(4, 4))
+    kept = []
+    for step in range(3):
+        acc.save(tmp_path / "ckpt.pt", {"model": model, f"loss-{step}": torch.ones(1000)}, asynchronous=True).wait()
+        kept.append(sum(buffer.numel() for buffer in acc._checkpointer._buffers.values()))
+    assert kept[0] == kept[1] == kept[2]
