@@ -72,6 +72,8 @@ def module_state(module: nn.Module, state_dict: Any, *, assign: bool = False, st
                         " `model.load_state_dict(state_dict)` (assign=False) copies each rank's shard in."
                     )
                 value = laid_out_like(value, like)
+        elif _other_shape(value, live.get(key)):  # an unsharded buffer: torch would load the rest first
+            wrong.append(f"shape mismatch: {key}: state dict {tuple(value.shape)}, model {tuple(live[key].shape)}")
         out[key] = value
     if wrong:
         raise ValueError(
@@ -83,6 +85,13 @@ def module_state(module: nn.Module, state_dict: Any, *, assign: bool = False, st
     if metadata is not None:
         out._metadata = metadata  # type: ignore[attr-defined]
     return out
+
+
+def _other_shape(value: Any, live: Any) -> bool:
+    """Whether plain tensor ``value`` cannot go into ``live`` for its shape (torch takes one element for a scalar)."""
+    if not isinstance(value, torch.Tensor) or not isinstance(live, torch.Tensor) or isinstance(live, DTensor):
+        return False
+    return tuple(value.shape) != tuple(live.shape) and not (live.dim() == 0 and value.shape == (1,))
 
 
 def _loads_plainly(module: nn.Module) -> bool:

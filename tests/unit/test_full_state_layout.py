@@ -145,3 +145,17 @@ def test_load_raw_into_a_fresh_optimizer_leaves_no_view_of_the_file(tmp_path: Pa
     for param, saved in zip(model.parameters(), reference_optimizer.state.values(), strict=True):
         moment = optimizer.state[param]["exp_avg"]
         assert torch.equal(moment.full_tensor() if strategy == "fsdp" else moment, saved["exp_avg"])
+
+
+def test_an_unsharded_buffer_of_another_shape_is_refused_before_anything_is_loaded() -> None:
+    """BatchNorm's statistics stay plain tensors under FSDP; torch copies the other tensors, then raises."""
+    acc = Accelerator(accelerator="cpu", strategy="fsdp", devices=1)
+    acc.launch()
+    model = acc.setup(nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)))
+    before = _full(model.state_dict())
+    full = {k: torch.zeros_like(v) for k, v in before.items()}
+    full["1.running_mean"] = torch.zeros(5)
+    with pytest.raises(ValueError, match=r"1.running_mean: state dict \(5,\), model \(3,\). Nothing was loaded"):
+        model.load_state_dict(full, strict=False)
+    for key, value in _full(model.state_dict()).items():
+        assert torch.equal(value, before[key]), key
