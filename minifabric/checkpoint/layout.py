@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from minifabric._torch import laid_out_like, load_pre_hooks_keep_nothing
+from minifabric._torch import laid_out_like, load_post_hooks_are_fsdps, load_pre_hooks_keep_nothing
 from minifabric.checkpoint.names import is_named
 
 
@@ -33,7 +33,8 @@ def module_state(module: nn.Module, state_dict: Any, *, assign: bool = False, st
 
     With ``strict``, missing and unexpected keys raise before anything is loaded too (torch's own
     ``load_state_dict`` copies every matching tensor first), where every module of ``module`` loads
-    with ``nn.Module``'s own code (no load pre-hook but FSDP2's, which may rename keys).
+    with ``nn.Module``'s own code (no load pre-hook but FSDP2's, which may rename keys, and no
+    load post-hook, which may forgive them).
 
     Raises:
         ValueError: a full tensor whose shape differs from the sharded tensor's full shape, a value
@@ -99,6 +100,7 @@ def _loads_plainly(module: nn.Module) -> bool:
     loads, copies = nn.Module.load_state_dict.__code__, nn.Module._load_from_state_dict.__code__
     return getattr(type(module).load_state_dict, "__code__", None) is loads and all(
         load_pre_hooks_keep_nothing(sub)
+        and load_post_hooks_are_fsdps(sub)  # another may forgive missing or unexpected keys
         and "_load_from_state_dict" not in vars(sub)
         and getattr(type(sub)._load_from_state_dict, "__code__", None) is copies
         for sub in module.modules()

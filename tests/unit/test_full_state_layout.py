@@ -159,3 +159,15 @@ def test_an_unsharded_buffer_of_another_shape_is_refused_before_anything_is_load
         model.load_state_dict(full, strict=False)
     for key, value in _full(model.state_dict()).items():
         assert torch.equal(value, before[key]), key
+
+
+def test_a_load_post_hook_that_forgives_a_missing_key_still_loads_under_strict() -> None:
+    """torch lets a load post-hook clear the incompatible keys; the check before the load defers to it."""
+    model, _ = _fsdp_model_and_optimizer()
+
+    def forgive(module, incompatible):
+        incompatible.missing_keys.clear()
+
+    model.module.register_load_state_dict_post_hook(forgive)  # the user's module, which loads
+    model.load_state_dict({"weight": torch.zeros(3, 4)})  # no bias: forgiven
+    assert torch.equal(model.weight.full_tensor(), torch.zeros(3, 4))
