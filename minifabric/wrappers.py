@@ -235,13 +235,14 @@ class _WrappedModule(nn.Module):
         Under FSDP the parameters are DTensors, and ``nn.Module.load_state_dict`` refuses plain
         tensors for them. Each full tensor (``torch.load`` of a file, litgpt's ``lazy_load``, read
         on every rank) is cut to this rank's shard first, without communication; a shape that
-        differs from the model's raises ``ValueError`` before anything is loaded.
+        differs from the model's raises ``ValueError``, and with ``strict`` a missing or unexpected
+        key ``RuntimeError``, before anything is loaded.
         """
         from minifabric.checkpoint.layout import module_state
 
         module = self._original_module
         return module.load_state_dict(
-            module_state(module, state_dict, assign=assign), strict=strict, assign=assign
+            module_state(module, state_dict, assign=assign, strict=strict), strict=strict, assign=assign
         )
 
     def __getattr__(self, name: str) -> Any:
@@ -325,10 +326,12 @@ class _WrappedOptimizer:
         """``Optimizer.load_state_dict``; full state of sharded parameters is cut to this rank's shard.
 
         Saved parameters pair with the live ones by position, as in torch. State that cannot be laid
-        out like its sharded parameter raises ``ValueError`` before anything is loaded.
+        out like its sharded parameter, or state keyed by parameter name (whose names position would
+        ignore), raises ``ValueError`` before anything is loaded.
         """
-        from minifabric.checkpoint.layout import optimizer_state
+        from minifabric.checkpoint.layout import optimizer_state, refuse_named
 
+        refuse_named(state_dict)
         self._optimizer.load_state_dict(optimizer_state(self._optimizer, state_dict))
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -204,6 +204,22 @@ def load_pre_hooks_keep_nothing(module: nn.Module) -> bool:
     )
 
 
+def load_post_hooks_are_fsdps(module: nn.Module) -> bool:
+    """Whether every load post-hook of ``module`` is FSDP2's own (one per parameter, which re-pads its shard).
+
+    Recognised by its code object, found in the code of ``FSDPParam.__init__``; any other hook may
+    change the missing and unexpected keys ``load_state_dict`` reports.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    codes = [c for c in FSDPParam.__init__.__code__.co_consts if getattr(c, "co_name", None) == "<lambda>"]
+    ours = codes[0] if len(codes) == 1 else object()  # not found: no hook is taken for FSDP's
+    return all(
+        getattr(getattr(hook, "hook", hook), "__code__", None) is ours
+        for hook in module._load_state_dict_post_hooks.values()
+    )
+
+
 def _fsdp_to_sharded_hook_code() -> Any:
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -19,6 +20,7 @@ from minifabric.checkpoint.format import FORMAT_KEY
 from minifabric.checkpoint.load import load_module, load_optimizer
 from minifabric.checkpoint.names import group_problems, is_named, parameter_names, to_indices
 from minifabric.checkpoint.read import read_file
+from minifabric.checkpoint.tensors import map_tree
 from minifabric.checkpoint.validate import mismatch, module_problems
 
 
@@ -48,6 +50,9 @@ def load_raw(
             raise mismatch(repr(str(path)), problems, keys_differ)
         load_module(obj, state_dict, strict=strict)
     else:
+        # The file is mapped: a state tensor that no live one receives (a fresh optimizer's, every
+        # `step`) would stay a view of it, the file mapped for as long as the optimizer lives.
+        state_dict = map_tree(state_dict, lambda _, v: v.clone() if isinstance(v, torch.Tensor) else v)
         try:
             load_optimizer(obj, _by_index(state_dict, obj, list(modules), path))
         except ValueError as err:  # state that cannot be laid out like its parameter: nothing loaded

@@ -302,8 +302,7 @@ def _split_entries(
     tensors: dict[str, torch.Tensor] = {}
     for key, value in collected.items():
         everything = entry_kinds[key] in ("module", "optimizer")
-        tree[key], found = split(key, value, only_dtensors=not everything)
-        tensors.update(found)
+        tree[key], _ = split(key, value, only_dtensors=not everything, into=tensors)
     return tree, tensors
 
 

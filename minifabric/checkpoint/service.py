@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from minifabric import process, signals
@@ -87,7 +88,7 @@ class Checkpointer:
         self._comm: Comm | None = None
         self._pending: SaveHandle | None = None
         # CPU copies of the last asynchronous save, reused by the next one (one model copy in RAM).
-        self._buffers: dict[str, Any] = {}
+        self._buffers: dict[tuple, Any] = {}
         self._exit_hook: Callable[[], None] | None = None  # cancels the exit hook
 
     @property
@@ -123,13 +124,16 @@ class Checkpointer:
         form = state_dict_type
         if form not in ("full", "sharded"):
             raise ValueError(f'state_dict_type={form!r} is not supported. Use "sharded" or "full".')
-        job, record = saving.prepare(self.comm, path, state, form, keep_last, filter or {})
-        payload = saving.collect(job, state, record, agree=not asynchronous)
-        if not asynchronous:
-            saving.write(job, payload)
-            saving.commit(job, payload)
-            return None
-        staged = self._snapshot(payload)
+        # Under `torch.inference_mode()` a sharded model's state_dict() fails (a DTensor's detach),
+        # and the CPU copies, kept for the next save, would be inference tensors it cannot write into.
+        with torch.inference_mode(False), torch.no_grad():
+            job, record = saving.prepare(self.comm, path, state, form, keep_last, filter or {})
+            payload = saving.collect(job, state, record, agree=not asynchronous)
+            if not asynchronous:
+                saving.write(job, payload)
+                saving.commit(job, payload)
+                return None
+            staged = self._snapshot(payload)
 
         def in_background() -> None:
             agreed = saving.agree_collected(job, staged)  # a copy failed on one rank fails it on every rank
@@ -147,14 +151,17 @@ class Checkpointer:
         The tensors, the side record and this rank's record (stateful objects' state dicts) are
         copied, so nothing training does afterwards (``optimizer.step()``, an update by hand, a
         tensor among ``state``'s values changed in place) reaches the checkpoint. The copies reuse
-        the previous save's buffers. A failure is kept for the agreement, which raises it on every rank.
+        the previous save's buffers. A failure is kept for the agreement, which raises it on every rank;
+        Ctrl-C (or ``SystemExit``) while collecting or copying is raised here, on the calling thread.
         """
         error, record = payload.pending
+        if error is not None and not isinstance(error, Exception):
+            raise error
         if error is not None:
             return payload
         try:
             tensors, tree, record = stage((payload.tensors, payload.record, record), self._buffers)
-        except BaseException as err:  # raised on every rank by the agreement
+        except Exception as err:  # raised on every rank by the agreement
             return saving.Payload(payload.tensors, payload.record, (err, record))
         return saving.Payload(tensors, tree, (None, record))
 

@@ -27,14 +27,30 @@ def map_tree(tree: Any, fn: Callable[[tuple, Any], Any], path: tuple = ()) -> An
     return fn(path, tree)
 
 
-def split(prefix: str, tree: Any, only_dtensors: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
-    """Replace every tensor (or only every DTensor) in ``tree`` by a reference; return the new tree and ``{key: tensor}``."""
-    tensors: dict[str, torch.Tensor] = {}
+def split(
+    prefix: str, tree: Any, only_dtensors: bool = False, into: dict[str, torch.Tensor] | None = None
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Replace every tensor (or only every DTensor) in ``tree`` by a reference; return the new tree and ``{key: tensor}``.
+
+    ``into`` (the tensors of the entries split before) is filled and returned instead of a new dict.
+
+    Raises:
+        ValueError: two tensors whose paths join to one key (``{"a/b": x, "a": {"b": y}}``, the
+            keys ``0`` and ``"0"``): one would be saved in place of the other.
+    """
+    tensors: dict[str, torch.Tensor] = {} if into is None else into
 
     def take(path: tuple, leaf: Any) -> Any:
         if not isinstance(leaf, DTensor if only_dtensors else torch.Tensor):
             return leaf
         key = "/".join(map(str, (prefix, *path)))
+        if key in tensors:
+            raise ValueError(
+                f"Two tensors of state would be saved under the one key {key!r} (the path"
+                f" {[prefix, *path]!r} and another whose parts join alike), and one would be read back"
+                " in place of the other. Nothing was written. Fix: rename a key so that no key"
+                " contains '/' and no dict holds both 0 and '0'."
+            )
         tensors[key] = leaf
         return make_ref(key, leaf)
 
@@ -79,12 +95,18 @@ def gather_full(tree: Any, keep: bool) -> Any:
     return map_tree(tree, full)
 
 
-def _copy_into(tensor: torch.Tensor, key: str, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+def _copy_into(tensor: torch.Tensor, key: tuple, buffers: dict[tuple, torch.Tensor]) -> torch.Tensor:
     """A CPU copy of ``tensor``, written into the buffer kept under ``key`` when one of its kind exists.
 
     The buffer of a CUDA tensor is page-locked: the device-to-host copy, which the caller waits
-    for, then runs several times faster than into pageable memory.
+    for, then runs several times faster than into pageable memory. A tensor that is not a plain
+    dense one (sparse, quantized, nested, a subclass) gets a copy of its own kind instead: a
+    dense buffer cannot hold it, or would hold it converted.
     """
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or (
+        tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested
+    ):
+        return tensor.detach().to("cpu", copy=True)
     buffer = buffers.get(key)
     pinned = tensor.is_cuda
     if (
@@ -101,25 +123,33 @@ def _copy_into(tensor: torch.Tensor, key: str, buffers: dict[str, torch.Tensor])
 _IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 
 
-def stage(tree: Any, buffers: dict[str, torch.Tensor] | None = None) -> Any:
+def stage(tree: Any, buffers: dict[tuple, torch.Tensor] | None = None) -> Any:
     """A copy of ``tree`` that nothing done to ``tree`` afterwards changes: tensors copied to CPU.
 
     DTensors keep their layout; containers are rebuilt, and any other mutable leaf (a set, a
     user's object) is deep-copied, so training may go on while the copy is written. With
     ``buffers`` (kept by the caller between saves), the copies reuse the buffers of the previous
-    save: the copy is then a plain memcpy, without allocating and faulting in fresh memory.
+    save: the copy is then a plain memcpy, without allocating and faulting in fresh memory. Only
+    this save's buffers are kept (a key a later save does not name would otherwise hold its
+    memory for the rest of the run). A buffer is keyed by the leaf's path itself (no joined
+    string, under which ``{"a/b": x}`` and ``{"a": {"b": y}}``, or the keys ``0`` and ``"0"``,
+    would share one buffer and save ``y`` twice).
     """
     buffers = {} if buffers is None else buffers
+    used: set[tuple] = set()
 
     def copy(path: tuple, leaf: Any) -> Any:
-        key = "/".join(map(str, path))
+        used.add(path)
         if isinstance(leaf, DTensor):
-            return shard_like(_copy_into(leaf.to_local(), key, buffers), leaf)
+            return shard_like(_copy_into(leaf.to_local(), path, buffers), leaf)
         if isinstance(leaf, torch.Tensor):
-            return _copy_into(leaf, key, buffers)
+            return _copy_into(leaf, path, buffers)
         return leaf if isinstance(leaf, _IMMUTABLE) else copy_module.deepcopy(leaf)
 
-    return map_tree(tree, copy)
+    staged = map_tree(tree, copy)
+    for key in buffers.keys() - used:  # kept are the buffers of this save only
+        del buffers[key]
+    return staged
 
 
 def equal(a: Any, b: Any) -> bool:

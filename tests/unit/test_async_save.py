@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import minifabric.checkpoint.service as service
+import minifabric.checkpoint.tensors as tensors
 import minifabric.checkpoint.writer as writer
 from minifabric import Accelerator, CheckpointError
 
@@ -99,3 +100,101 @@ def test_a_failed_background_save_surfaces_at_the_next_save_or_load(tmp_path, mo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good"]  # nothing half-written, "next" not begun
     acc.save(tmp_path / "next", {"model": model})  # reported once: the next save runs
     acc.load(tmp_path / "next", {"model": model})
+
+
+@pytest.mark.parametrize("strategy", ["auto", "fsdp"])
+@pytest.mark.parametrize(
+    "values",
+    [
+        pytest.param(lambda a, b: {"a/b": a, "a": {"b": b}}, id="slash-in-a-key"),
+        pytest.param(lambda a, b: {0: a, "0": b}, id="int-and-str-key"),
+    ],
+)
+def test_async_save_keeps_leaves_whose_joined_paths_coincide_apart(tmp_path, strategy, values):
+    """Two tensors of one shape whose paths read alike once joined get a buffer each: both are saved."""
+    acc = Accelerator(accelerator="cpu", devices=1, strategy=strategy)
+    acc.launch()
+    model = acc.setup(torch.nn.Linear(4, 4))
+    for _ in range(2):  # the second save reuses the first one's buffers
+        handle = acc.save(tmp_path / "ckpt", {"model": model, "vals": values(torch.ones(3), torch.full((3,), 2.0))},
+                          asynchronous=True)  # fmt: skip
+        handle.wait()
+        state = {"model": model, "vals": None}
+        acc.load(tmp_path / "ckpt", state)
+        assert tensors.equal(state["vals"], values(torch.ones(3), torch.full((3,), 2.0)))
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_sharded_save_refuses_two_dtensors_whose_keys_join_alike(tmp_path, asynchronous):
+    """DTensors among plain values go to the shard files by joined path: one would be read back for both."""
+    acc = Accelerator(accelerator="cpu", devices=1, strategy="fsdp")
+    acc.launch()
+    model = acc.setup(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))
+    weights = model.state_dict()
+    values = {"a/b": weights["0.weight"], "a": {"b": weights["1.weight"]}}
+    with pytest.raises(CheckpointError, match="one key 'vals/a/b'"):
+        handle = acc.save(tmp_path / "ckpt", {"model": model, "vals": values}, asynchronous=asynchronous)
+        if handle is not None:
+            handle.wait()
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_async_save_copies_a_sparse_tensor_as_a_sparse_one(tmp_path):
+    """A dense buffer cannot hold it: the synchronous save wrote it, the asynchronous one failed."""
+    acc = Accelerator(accelerator="cpu")
+    acc.launch()
+    model = acc.setup(torch.nn.Linear(4, 4))
+    sparse = torch.eye(3).to_sparse()
+    handle = acc.save(tmp_path / "ckpt.pt", {"model": model, "adjacency": sparse}, asynchronous=True)
+    sparse.values().mul_(5)  # changed in place after the call
+    handle.wait()
+    state = {"model": model, "adjacency": None}
+    acc.load(tmp_path / "ckpt.pt", state)
+    assert state["adjacency"].is_sparse
+    assert torch.equal(state["adjacency"].to_dense(), torch.eye(3))
+
+
+def test_ctrl_c_during_the_copy_of_an_async_save_is_raised_by_the_call(tmp_path, monkeypatch):
+    """It was kept as the save's failure: the call returned a handle and training went on."""
+    acc = Accelerator(accelerator="cpu")
+    acc.launch()
+    model = acc.setup(torch.nn.Linear(4, 4))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(service, "stage", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        acc.save(tmp_path / "ckpt.pt", {"model": model}, asynchronous=True)
+    monkeypatch.undo()
+    acc.save(tmp_path / "ckpt.pt", {"model": model}, asynchronous=True).wait()  # nothing pending is left
+    assert (tmp_path / "ckpt.pt").is_file()
+
+
+@pytest.mark.parametrize("strategy", ["auto", "fsdp"])
+def test_a_save_under_inference_mode_and_the_next_one_outside_it_both_complete(tmp_path, strategy):
+    """Under inference_mode a sharded state_dict() failed, and the kept copies became inference
+    tensors that the next asynchronous save, outside that mode, could not write into."""
+    acc = Accelerator(accelerator="cpu", devices=1, strategy=strategy)
+    acc.launch()
+    model = acc.setup(torch.nn.Linear(4, 4))
+    with torch.inference_mode():  # e.g. a save at the end of an evaluation loop
+        acc.save(tmp_path / "eval", {"model": model, "t": torch.ones(2)}, asynchronous=True).wait()
+        acc.save(tmp_path / "eval-sync", {"model": model, "t": torch.ones(2)})
+    acc.save(tmp_path / "train", {"model": model, "t": torch.full((2,), 2.0)}, asynchronous=True).wait()
+    for name, value in (("eval", 1.0), ("eval-sync", 1.0), ("train", 2.0)):
+        state = {"model": model, "t": None}
+        acc.load(tmp_path / name, state)
+        assert torch.equal(state["t"], torch.full((2,), value))
+
+
+def test_async_save_keeps_only_the_last_saves_copies(tmp_path):
+    """A value saved once (a key that names its step) must not hold its CPU copy for the rest of the run."""
+    acc = Accelerator(accelerator="cpu")
+    acc.launch()
+    model = acc.setup(torch.nn.Linear(4, 4))
+    kept = []
+    for step in range(3):
+        acc.save(tmp_path / "ckpt.pt", {"model": model, f"loss-{step}": torch.ones(1000)}, asynchronous=True).wait()
+        kept.append(sum(buffer.numel() for buffer in acc._checkpointer._buffers.values()))
+    assert kept[0] == kept[1] == kept[2]
