@@ -126,9 +126,10 @@ def keep_rank_zero_tensors(
         return False
     named = _real_tensors(module)
     layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in named]
-    sums = _checksums([t for _, t in named])
+    # plain floats: no tensor unpickled under a device context (``wrap`` runs inside ``init_module``)
+    sums = _checksums([t for _, t in named]).tolist()
     zero_layout, zero_sums = broadcast((layout, sums), 0)
-    if not any_rank(zero_layout != layout or not torch.equal(zero_sums, sums)):
+    if not any_rank(zero_layout != layout or zero_sums != sums):
         return False
     if any_rank(zero_layout != layout):
         raise ValueError(
