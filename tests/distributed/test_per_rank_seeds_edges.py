@@ -6,6 +6,8 @@ and checksums of setup could miss; every rank must end with rank 0's model, or r
   generator state; replaying rank 0's states with this rank's arguments would shard another model.
 - An eagerly built block that ``minifabric.wrap`` shards during construction: it is a DTensor by
   ``setup``, too late to compare with rank 0's.
+- An eagerly built model under ``ModelParallelStrategy``, whose ``parallelize_fn`` shards it as
+  each rank built it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from minifabric import Accelerator, wrap
+from minifabric import Accelerator, ModelParallelStrategy, wrap
 from tests.helpers import run_distributed
 from tests.init_styles import mismatches
 
@@ -41,8 +43,17 @@ class Wrapped(RandomStd):
         self.a = wrap(self.a)
 
 
-def seeded_per_rank(rank: int, world_size: int, cls: type, empty_init: bool) -> str | list[str]:
-    acc = Accelerator(accelerator="cpu", strategy="fsdp", devices=world_size)
+def shard_over_data_parallel(model: nn.Module, mesh: object) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(model, mesh=mesh["data_parallel"])
+
+
+def seeded_per_rank(
+    rank: int, world_size: int, cls: type, empty_init: bool, strategy: str = "fsdp"
+) -> str | list[str]:
+    chosen = ModelParallelStrategy(shard_over_data_parallel) if strategy == "model_parallel" else strategy
+    acc = Accelerator(accelerator="cpu", strategy=chosen, devices=world_size)
     acc.launch()
     acc.seed_everything(1337)
     rank_zero_model = cls()
@@ -64,3 +75,8 @@ def test_python_random_init_arguments_under_per_rank_seeds() -> None:
 
 def test_blocks_wrapped_during_construction_set_up_rank_zeros_model() -> None:
     assert run_distributed(seeded_per_rank, 2, 2, Wrapped, False, timeout=240) == [[]] * 2
+
+
+def test_model_parallel_sets_up_rank_zeros_model() -> None:
+    results = run_distributed(seeded_per_rank, 2, 2, RandomStd, False, "model_parallel", timeout=240)
+    assert results == [[]] * 2
