@@ -188,6 +188,47 @@ def _reduce_in_place(
     return tensor
 
 
+def _gathered(values: list[int], world: int, device: torch.device, group: Any) -> list[list[int]]:
+    """Every rank's list of ints (the same length on every rank), in rank order."""
+    mine = torch.tensor(values, dtype=torch.long, device=device)
+    out = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine, group=group)
+    return [t.tolist() for t in out]
+
+
+def _dtype_names() -> list[str]:
+    """Every torch dtype's name, sorted: the same list on every rank of one torch version."""
+    return sorted({str(v) for v in vars(torch).values() if isinstance(v, torch.dtype)})
+
+
+def _check_same_layout(tensor: torch.Tensor, world: int, device: torch.device, group: Any) -> None:
+    """Raise on every rank unless every rank gathers a tensor of this shape and dtype.
+
+    Gloo aborts the process on buffers of different sizes, so the ranks first exchange a header of
+    one size everywhere (rank count and dtype), then their shapes padded to the largest rank count.
+    """
+    names = _dtype_names()
+    headers = _gathered([tensor.dim(), names.index(str(tensor.dtype))], world, device, group)
+    longest = max(h[0] for h in headers)
+    padded = (
+        _gathered(list(tensor.shape) + [-1] * (longest - tensor.dim()), world, device, group)
+        if longest
+        else []
+    )
+    shapes = [tuple(p[: h[0]]) for p, h in zip(padded, headers, strict=True)] if longest else [()] * world
+    if any(s != tuple(tensor.shape) for s in shapes):
+        raise ValueError(
+            f"all_gather needs the same shape on every rank; this rank has {tuple(tensor.shape)}, the ranks"
+            f" have {shapes}. Pad the tensors to one shape first (and gather the true lengths separately)."
+        )
+    dtypes = [names[h[1]] for h in headers]
+    if any(d != str(tensor.dtype) for d in dtypes):
+        raise ValueError(
+            f"all_gather needs the same dtype on every rank; this rank has {tensor.dtype}, the ranks have"
+            f" {dtypes}. Convert first, e.g. `acc.all_gather(x.float())`."
+        )
+
+
 def all_gather(
     data: Any, device: torch.device, group: dist.ProcessGroup | None = None, sync_grads: bool = False
 ) -> Any:
@@ -207,15 +248,7 @@ def all_gather(
         tensor = _as_tensor(value, device).contiguous()
         if world == 1:  # as Fabric: no new dimension with one process
             return tensor
-        shape = torch.tensor(tensor.shape, dtype=torch.long, device=device)
-        shapes = [torch.empty_like(shape) for _ in range(world)]
-        if shape.numel():
-            dist.all_gather(shapes, shape, group=group)
-        if any(not torch.equal(s, shape) for s in shapes):
-            raise ValueError(
-                f"all_gather needs the same shape on every rank, got {[tuple(s.tolist()) for s in shapes]}."
-                " Pad the tensors to one shape first (and gather the true lengths separately)."
-            )
+        _check_same_layout(tensor, world, device, group)
         if sync_grads:
             return torch.stack(differentiable_all_gather(tensor, group))
         out = [torch.empty_like(tensor) for _ in range(world)]

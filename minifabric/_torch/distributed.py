@@ -33,20 +33,48 @@ def at_backward_end(callback: Callable[[], None]) -> bool:
 def differentiable_all_gather(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
     """Every rank's ``tensor`` (of ``group``), in rank order, inside the autograd graph.
 
-    ``torch.distributed.nn.functional.all_gather``, as Lightning Fabric's ``sync_grads=True`` uses:
-    its backward sums each slice's gradients from every rank (reduce-scatter on NCCL, all-to-all
-    elsewhere, so it runs on gloo). torch marks it deprecated in favour of the functional
-    collectives, whose backward needs a reduce-scatter that gloo lacks; its warning is silenced here,
-    for this call only.
+    On NCCL, ``torch.distributed.nn.functional.all_gather``, as Lightning Fabric's ``sync_grads=True``
+    uses: its backward sums each slice's gradients from every rank with a reduce-scatter. torch marks
+    it deprecated in favour of the functional collectives, whose backward needs a reduce-scatter that
+    gloo lacks; its warning is silenced here, for this call only. Elsewhere (gloo) torch's backward
+    scatters with group ranks taken as global ranks, which fails in a group without rank 0, so
+    :class:`_GatherWithSummedGrads` sums the gradients with one all-reduce instead.
     """
     import warnings
 
     import torch.distributed as dist
     from torch.distributed.nn.functional import all_gather
 
+    group = group if group is not None else dist.group.WORLD
+    if dist.get_backend(group) not in ("nccl", "xccl"):
+        return list(_GatherWithSummedGrads.apply(group, tensor))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*all_gather is deprecated", category=FutureWarning)
-        return list(all_gather(tensor, group=group if group is not None else dist.group.WORLD))
+        return list(all_gather(tensor, group=group))
+
+
+class _GatherWithSummedGrads(torch.autograd.Function):
+    """All-gather whose backward gives each rank the sum, over the group's ranks, of its slice's gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, group: Any, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every rank's ``tensor`` of ``group``, in group rank order."""
+        import torch.distributed as dist
+
+        ctx.group = group
+        tensor = tensor.contiguous()
+        out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, tensor, group=group)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, torch.Tensor]:
+        """This rank's slice of the gradients summed over the group (one all-reduce)."""
+        import torch.distributed as dist
+
+        summed = torch.stack(grads).contiguous()
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=ctx.group)
+        return None, summed[dist.get_rank(ctx.group)]
 
 
 def checkpoint_activations(module: nn.Module) -> None:

@@ -19,9 +19,25 @@ import torch
 from minifabric._torch import tree_flatten
 from minifabric.init.recipe import Base, Handle, Op, Real, Ref
 
-#: What :func:`adopt_inputs` takes: per random op ``(rng state, {generator kwarg: state})``, then
-#: the real tensors in order.
-Inputs = tuple[list[tuple[torch.Tensor | None, dict[str, torch.Tensor]]], list[torch.Tensor]]
+#: What :func:`adopt_inputs` takes: per random op ``(rng state, {generator kwarg: state})``, the
+#: real tensors in order, then per op the plain values of its arguments (see :func:`_arguments`).
+Inputs = tuple[list[tuple[torch.Tensor | None, dict[str, torch.Tensor]]], list[torch.Tensor], list[str]]
+
+_PLAIN = (bool, int, float, complex, str, type(None), torch.dtype)  # not devices: cuda:0 vs cuda:1
+
+
+def _arguments(op: Op) -> str:
+    """The plain values an op was called with (numbers, strings, dtypes), other arguments by type.
+
+    A number drawn from Python's ``random`` or numpy (``normal_(w, std=random.uniform(...))``) is
+    recorded here, not in a generator state: ranks seeded differently differ only in it.
+    """
+    leaves = tree_flatten((op.args, op.kwargs))[0]
+    return (
+        f"{op.name}("
+        + ", ".join(repr(x) if isinstance(x, _PLAIN) else type(x).__name__ for x in leaves)
+        + ")"
+    )
 
 
 def _walk(handles: list[Handle]) -> tuple[list[Base], list[Op], list[torch.Tensor]]:
@@ -61,14 +77,16 @@ def init_inputs(handles: list[Handle]) -> Inputs:
     tensors it reads, in recording order (the same order on every rank that ran the same code)."""
     _, ops, reals = _walk(handles)
     states = [(op.rng, dict(op.generators)) for op in ops if op.rng is not None or op.generators]
-    return states, reals
+    return states, reals, [_arguments(op) for op in ops]
 
 
 def digest(inputs: Inputs) -> str:
     """A short hash of ``inputs``: equal on two ranks exactly when their recorded init reads the same."""
     h = hashlib.blake2b(digest_size=16)
-    states, reals = inputs
+    states, reals, arguments = inputs
     h.update(f"{len(states)} {len(reals)}".encode())
+    for call in arguments:
+        h.update(call.encode() + b"\0")
     for rng, generators in states:
         h.update(b"-" if rng is None else _bytes(rng))
         for name in sorted(generators):
@@ -94,7 +112,7 @@ def adopt_inputs(handles: list[Handle], inputs: Inputs) -> None:
     """
     bases, ops, reals = _walk(handles)
     random_ops = [op for op in ops if op.rng is not None or op.generators]
-    states, values = inputs
+    states, values, arguments = inputs
     fits = len(states) == len(random_ops) and len(values) == len(reals)
     fits = fits and all(
         set(generators) == set(op.generators) and (rng is None) == (op.rng is None)
@@ -108,6 +126,16 @@ def adopt_inputs(handles: list[Handle], inputs: Inputs) -> None:
             f"This rank's model was built with other init calls than rank 0's ({len(random_ops)} random"
             f" calls and {len(reals)} real tensors read here, {len(states)} and {len(values)} on rank 0):"
             " every rank must run the same model code inside `acc.init_module(empty_init=True)`."
+        )
+    mine = [_arguments(op) for op in ops]
+    if mine != arguments:
+        here, there = next((m, a) for m, a in zip(mine, arguments, strict=True) if m != a)
+        raise ValueError(
+            f"This rank's model init was called with other argument values than rank 0's ({here} here,"
+            f" {there} on rank 0), e.g. numbers drawn from Python's `random` or numpy after per-rank"
+            " seeds; replaying rank 0's random draws with them would shard another model. Seed every"
+            " rank alike before building the model and per rank after setup:"
+            " `acc.seed_everything(1337); model = acc.setup(model); acc.seed_everything(1337 + acc.global_rank)`."
         )
     for (rng, generators), op in zip(states, random_ops, strict=True):
         op.rng, op.generators = rng, dict(generators)

@@ -257,6 +257,9 @@ class FSDPStrategy(Strategy):
         """Shard ``module`` now as its own unit (manual wrapping inside ``acc.init_module()``)."""
         if isinstance(module, FSDPModule):
             return module
+        if self.world_size > 1 and not all(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            # an eager block is sharded now: compare it with rank 0's construction now (per-rank seeds)
+            keep_rank_zero_tensors(module, self.root_device, self.broadcast, self.any_rank)
         apply_activation_checkpointing(module, self.activation_checkpointing_policy)
         with keeping_init_records(module):  # init written after `wrap` in __init__ is recorded too
             return shard_module(module, self._shard_settings(inner_policy(self.mp_policy)))

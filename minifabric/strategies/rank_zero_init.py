@@ -10,8 +10,8 @@ with rank 0's, and on a difference makes every rank take rank 0's:
 - :func:`adopt_rank_zero_init`: for a meta-built model, a digest of the generator states and real
   tensors its recorded init reads (one small broadcast and one flag); on a difference rank 0's
   states are sent and replayed everywhere, so each rank materializes its part of rank 0's model.
-- :func:`keep_rank_zero_tensors`: for real (eagerly built) parameters and buffers, two float64
-  checksums per tensor (its sum and its norm); on a difference rank 0's tensors are broadcast.
+- :func:`keep_rank_zero_tensors`: for real (eagerly built) parameters and buffers, three float64
+  checksums per tensor (its sum, its norm and a position-weighted sum); on a difference rank 0's tensors are broadcast.
 
 Both are collectives: every rank calls them at the same point of ``setup``.
 """
@@ -80,7 +80,9 @@ def _real_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def _checksums(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Two float64 numbers per tensor, its sum and its 2-norm, computed where it lives, no full copy."""
+    """Three float64 numbers per tensor, computed where it lives: its sum, its 2-norm, and the sum of
+    its values weighted by position (sum and norm alone do not see a permutation, e.g. a ``randperm``
+    buffer drawn from another seed). The weights are built in chunks: no full float64 copy."""
     rows = []
     with torch.no_grad():
         for t in tensors:
@@ -88,9 +90,26 @@ def _checksums(tensors: list[torch.Tensor]) -> torch.Tensor:
             if not x.is_floating_point():
                 x = x.double()
             rows.append(
-                torch.stack([x.sum(dtype=torch.float64), torch.linalg.vector_norm(x, dtype=torch.float64)])
+                torch.stack(
+                    [
+                        x.sum(dtype=torch.float64),
+                        torch.linalg.vector_norm(x, dtype=torch.float64),
+                        _positional_sum(x),
+                    ]
+                )
             )
-    return torch.stack(rows).cpu() if rows else torch.zeros(0, 2, dtype=torch.float64)
+    return torch.stack(rows).cpu() if rows else torch.zeros(0, 3, dtype=torch.float64)
+
+
+def _positional_sum(x: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
+    """``sum(x[i] * (1 + i % 8191))`` over the flattened tensor, in float64, ``chunk`` elements at a time."""
+    flat = x.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    for start in range(0, flat.numel(), chunk):
+        part = flat[start : start + chunk]
+        weights = torch.arange(start, start + part.numel(), dtype=torch.float64, device=x.device)
+        total += (part.double() * (weights.remainder_(8191).add_(1))).sum()
+    return total
 
 
 def keep_rank_zero_tensors(
@@ -107,9 +126,10 @@ def keep_rank_zero_tensors(
         return False
     named = _real_tensors(module)
     layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in named]
-    sums = _checksums([t for _, t in named])
+    # plain floats: no tensor unpickled under a device context (``wrap`` runs inside ``init_module``)
+    sums = _checksums([t for _, t in named]).tolist()
     zero_layout, zero_sums = broadcast((layout, sums), 0)
-    if not any_rank(zero_layout != layout or not torch.equal(zero_sums, sums)):
+    if not any_rank(zero_layout != layout or zero_sums != sums):
         return False
     if any_rank(zero_layout != layout):
         raise ValueError(

@@ -63,3 +63,20 @@ def test_fabric_collective_arguments_on_every_rank() -> None:
             assert out["group_sum_op"] == 3.0
         else:
             assert "is not in the group" in out["outside"]
+
+
+def sync_grads_in_a_group_without_rank_zero(rank: int, world_size: int) -> list[float] | None:
+    acc = Accelerator(accelerator="cpu", strategy="ddp", devices=world_size)
+    acc.launch()
+    group = dist.new_group([1, 2])  # group ranks 0 and 1 are global ranks 1 and 2
+    if rank == 0:
+        return None
+    x = torch.tensor([float(rank)], requires_grad=True)
+    gathered = acc.all_gather(x, group=group, sync_grads=True)
+    (gathered * torch.tensor([[1.0], [10.0]])).sum().backward()
+    return x.grad.tolist()
+
+
+def test_sync_grads_over_a_group_that_lacks_rank_zero() -> None:
+    results = run_distributed(sync_grads_in_a_group_without_rank_zero, 3, 3, timeout=150)
+    assert results == [None, [2.0], [20.0]]  # each of the 2 ranks' losses reaches each slice
