@@ -61,7 +61,6 @@ from minifabric.strategies.model_parallel_checks import (
     resolve_sizes,
     tied_parameters,
 )
-from minifabric.strategies.rank_zero_init import keep_rank_zero_tensors
 from minifabric.strategies.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -201,10 +200,7 @@ class ModelParallelStrategy(Strategy):
         places = self._recorded_places(module)  # raises before any collective if an init cannot be reproduced
         fn = getattr(self.parallelize_fn, "__name__", repr(self.parallelize_fn))
         if not places:
-            module = module.to(self.root_device)
-            if self.world_size > 1:  # per-rank seeds: parallelize_fn shards what each rank built
-                keep_rank_zero_tensors(module, self.root_device, self.broadcast, self.any_rank)
-            parallelized = self.parallelize(module, compiler)
+            parallelized = self.parallelize(module.to(self.root_device), compiler)
             recorded_places(parallelized, rebuilt_by=f"parallelize_fn {fn!r}")  # a meta tensor it made: refused
             return parallelized
         with following_init_records(places, module):  # a record follows its tensor into a module the function built
