@@ -33,6 +33,7 @@ from minifabric.wrappers import _WrappedDataLoader, _WrappedModule, _WrappedOpti
 
 if TYPE_CHECKING:
     from minifabric.checkpoint.hf import KeyMap
+    from minifabric.checkpoint.service import Checkpointer
 
 
 class Accelerator:
@@ -450,7 +451,7 @@ class Accelerator:
     # ---- checkpoints -------------------------------------------------------------------------
 
     @cached_property
-    def _checkpointer(self) -> Any:
+    def _checkpointer(self) -> Checkpointer:
         from minifabric.checkpoint.service import Checkpointer  # imports DTensor: only when checkpointing
 
         return Checkpointer()

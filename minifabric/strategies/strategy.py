@@ -1,8 +1,12 @@
 """The strategy seam: how a model is placed, wrapped and kept in sync across processes.
 
-A strategy owns the world (ranks, device, process group), wraps modules and optimizers, runs
-backward through the precision plugin, and reads and writes checkpoints. Subclasses override only
-what differs; the :class:`~minifabric.Accelerator` facade never branches on the strategy type.
+A strategy owns the world (ranks, device, process group) and the rank's life in it, places and wraps
+modules (materializing a meta-device model), points optimizers at the parameters it produced, and
+runs backward and the optimizer step through the precision plugin. It does not read or write
+checkpoints: it tells the checkpoint service, as data, the layout to write (:attr:`state_dict_type`)
+and whether this process writes at all, and hears which checkpoint was committed or loaded.
+Subclasses override only what differs; the :class:`~minifabric.Accelerator` facade never branches on
+the strategy type.
 """
 
 from __future__ import annotations
