@@ -44,13 +44,16 @@ forward, as in the synchronous mode, because at step 0 torchft would count the g
 the initial weights as taking part and halve the gradients; at a rejoin the group still counts as
 not taking part.
 
-Only ``FSDPStrategy`` takes ``fault_tolerance`` today. A DDP integration would take the same
-``fault_tolerance=`` argument, build the component with ``build_fault_tolerance(config,
-DDPGradients())`` and call the same hooks at the same points; its ``DDPGradients.attach`` would
-register a DDP communication hook whose bucket, after the in-group all-reduce, is averaged across
-groups (the ``average`` callback), and its ``defers`` would say whether DDP reads the bucket before
-the backward ends. The quorum, the heal (plain tensors travel as they are, DTensors as local
-shards), the commit and the checks need nothing of FSDP.
+Only ``FSDPStrategy`` takes ``fault_tolerance`` today. A DDP integration (torchft supports DDP)
+would need no change in ``fsdp.py``: ``DDPStrategy`` would take the same ``fault_tolerance=``
+argument, build its component with ``build_fault_tolerance(config, DDPGradients())`` and call the
+same hooks at the same points (launch, set-up of models, optimizers, loaders and scheduler, the
+forward, the optimizer step, the data split, who writes checkpoints, teardown). Only
+``DDPGradients`` would be new: its ``attach`` would register a DDP communication hook that, after a
+bucket's all-reduce inside the group, hands the bucket to ``average`` (the cross-group average), and
+its ``defers`` would answer False, so that all-reduce is waited for inside the hook (overlapping it
+would mean returning torchft's future to DDP instead). The quorum, the heal (plain tensors travel
+as they are, DTensors as local shards), the commit and the checks use nothing of FSDP.
 """
 
 from minifabric.strategies.ft.component import (
