@@ -12,7 +12,7 @@ from minifabric.checkpoint.periodic import latest_checkpoint  # noqa: E402
 from minifabric.precision import MixedPrecision, Precision, TruePrecision  # noqa: E402
 from minifabric.seed import seed_everything  # noqa: E402
 from minifabric.strategies import DDPStrategy, SingleDeviceStrategy, Strategy, wrap  # noqa: E402
-from minifabric.strategies.fault_tolerance import FaultTolerance  # noqa: E402
+from minifabric.strategies.ft.config import FaultTolerance  # noqa: E402
 
 if TYPE_CHECKING:
     from minifabric.checkpoint.hf import export_safetensors

@@ -7,7 +7,7 @@ second to import, which a run that does not shard should not pay.
 from typing import TYPE_CHECKING, Any
 
 from minifabric.strategies.ddp import DDPStrategy
-from minifabric.strategies.fault_tolerance import FaultTolerance
+from minifabric.strategies.ft.config import FaultTolerance
 from minifabric.strategies.single import SingleDeviceStrategy
 from minifabric.strategies.strategy import Strategy, wrap
 

@@ -13,6 +13,7 @@ from collections.abc import Generator
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
@@ -22,7 +23,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.optim import Optimizer
 
-from minifabric._torch import forget_unscale
 from minifabric.environment import DEFAULT_TIMEOUT
 from minifabric.init import keeping_init_records
 from minifabric.strategies.compile import (
@@ -30,7 +30,6 @@ from minifabric.strategies.compile import (
     Compiler,
     compile_modules,
 )
-from minifabric.strategies.fault_tolerance import FaultTolerance
 from minifabric.strategies.fsdp_grads import clip_grad_norm_
 from minifabric.strategies.fsdp_options import (
     broadcast_module_states,
@@ -52,11 +51,13 @@ from minifabric.strategies.fsdp_wrap import (
     shard_module,
     sharded_submodules,
 )
+from minifabric.strategies.ft import FaultTolerance, build_fault_tolerance
+from minifabric.strategies.ft.fsdp_gradients import FSDPGradients
 from minifabric.strategies.rank_zero_init import keep_rank_zero_tensors
 from minifabric.strategies.strategy import Strategy
 
 if TYPE_CHECKING:
-    from minifabric.strategies.replica_group import ReplicaGroup
+    from minifabric.strategies.ft.replica_group import ReplicaGroup
 
 log = logging.getLogger(__name__)
 StateDictStr = Literal["sharded", "full"]
@@ -128,11 +129,8 @@ class FSDPStrategy(Strategy):
         **fabric_options: Any,
     ) -> None:
         super().__init__(timeout=timeout, process_group_backend=process_group_backend, compile=compile)
-        if fault_tolerance is not None and not isinstance(fault_tolerance, FaultTolerance):
-            raise TypeError(
-                f"fault_tolerance must be a minifabric.FaultTolerance, got {fault_tolerance!r}:"
-                " `FSDPStrategy(fault_tolerance=FaultTolerance(replica_group_id=0, num_replica_groups=2))`."
-            )
+        #: fault tolerance as one component (its hooks do nothing without ``fault_tolerance``)
+        self.ft = build_fault_tolerance(fault_tolerance, FSDPGradients())
         options = translate_fabric_options(
             {
                 "auto_wrap_policy": auto_wrap_policy,
@@ -165,8 +163,11 @@ class FSDPStrategy(Strategy):
         self.device_mesh = check_device_mesh(device_mesh, sharding_strategy)
         self._mesh: DeviceMesh | None = device_mesh if isinstance(device_mesh, DeviceMesh) else None
         self.fault_tolerance = fault_tolerance
-        #: this process's replica group when ``fault_tolerance`` is set (after ``acc.launch()``)
-        self.replica_group: ReplicaGroup | None = None
+
+    @property
+    def replica_group(self) -> ReplicaGroup | None:
+        """This process's replica group when ``fault_tolerance`` is set (after ``acc.launch()``), else None."""
+        return self.ft.replica_group
 
     def _check_world(self) -> None:
         """Raise if ``device_mesh`` does not fit the world."""
@@ -177,38 +178,21 @@ class FSDPStrategy(Strategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._init_process_group()  # fully_shard needs a process group even with one process
-        if self.fault_tolerance is not None:
-            from minifabric.strategies.replica_group import ReplicaGroup
-
-            self.replica_group = ReplicaGroup(
-                self.fault_tolerance,
-                group_rank=self.global_rank,
-                group_size=self.world_size,
-                store_address=(self.environment.main_address, self.environment.main_port),
-            )
-            # the gradient scaler's scale shapes every update: a rejoining group takes the live one's
-            self.replica_group.watch_precision(self.precision)
+        self.ft.on_setup(self)
 
     def teardown(self) -> None:
-        if self.replica_group is not None:
-            self.replica_group.shutdown()
+        self.ft.teardown()
         super().teardown()
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         """Each rank reads its own part of the data; with replica groups, a part of the whole job's."""
-        if self.fault_tolerance is None:
-            return super().distributed_sampler_kwargs
-        group = self.fault_tolerance.replica_group_id
-        return {
-            "num_replicas": self.world_size * self.fault_tolerance.num_replica_groups,
-            "rank": group * self.world_size + self.global_rank,
-        }
+        return self.ft.sampler_kwargs(super().distributed_sampler_kwargs)
 
     @property
     def writes_checkpoints(self) -> bool:
         """With replica groups, one live group writes (the others hold the same state)."""
-        return self.replica_group.writes_checkpoints if self.replica_group is not None else True
+        return self.ft.writes_checkpoints
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -284,8 +268,7 @@ class FSDPStrategy(Strategy):
             # With CPU offload FSDP keeps the sharded parameters in CPU memory: materialize them there.
             param_device = torch.device("cpu") if self.cpu_offload else self.root_device
             self._materialize(module, places, param_device, self.root_device)
-        if self.replica_group is not None:
-            self.replica_group.watch_module(module)
+        self.ft.on_module(module)
         return module
 
     def _compiler(self, module: nn.Module) -> tuple[nn.Module, Compiler | None]:
@@ -319,23 +302,19 @@ class FSDPStrategy(Strategy):
         return True
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        if self.replica_group is not None:
-            self.replica_group.watch_optimizer(optimizer)
+        self.ft.on_optimizer(optimizer)
         return optimizer
 
     def setup_dataloader(self, dataloader: Any) -> None:
         """With replica groups, a group that heals also takes the live group's position in the data."""
-        if self.replica_group is not None:
-            self.replica_group.watch_dataloader(dataloader)
+        self.ft.on_dataloader(dataloader)
 
     def setup_scheduler(self, scheduler: Any) -> None:
         """With replica groups, a group that heals also takes the live group's scheduler state."""
-        if self.replica_group is not None:
-            self.replica_group.watch_scheduler(scheduler)
+        self.ft.on_scheduler(scheduler)
 
     def forward_context(self) -> ContextManager:
-        if self.replica_group is not None:
-            self.replica_group.begin_step()  # before FSDP gathers anything: a heal writes the shards
+        self.ft.before_forward()  # before FSDP gathers anything: a heal writes the shards
         # With a casting policy FSDP2 already runs forward in the low-precision dtype; autocast on
         # top would only add casts. (Decided without building the policy: this runs every forward.)
         casts = (
@@ -358,19 +337,7 @@ class FSDPStrategy(Strategy):
             RuntimeError: with replica groups, a ``closure`` (its forward and backward would run after
                 the commit: a failure in them could not drop the step).
         """
-        if self.replica_group is not None and kwargs.get("closure") is not None:
-            raise RuntimeError(
-                f"optimizer.step(closure) is not supported with fault_tolerance: {type(optimizer).__name__}"
-                " would run the closure's forward and backward after the replica groups agreed to commit"
-                " the step, so a group dying during them could not drop it. Run the forward and"
-                " `acc.backward(loss)` before `optimizer.step()`, with an optimizer that takes no closure."
-            )
-        if self.replica_group is None or self.replica_group.commit():
-            return super().optimizer_step(optimizer, **kwargs)
-        scaler = getattr(self.precision, "scaler", None)
-        if scaler is not None:  # a clip may have unscaled the dropped step's gradients
-            forget_unscale(scaler, optimizer)
-        return None
+        return self.ft.optimizer_step(optimizer, kwargs, partial(super().optimizer_step, optimizer, **kwargs))
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
         """Inside, gradients accumulate unreduced (FSDP2's ``set_requires_gradient_sync(False)``)."""

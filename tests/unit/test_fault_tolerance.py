@@ -73,9 +73,9 @@ def test_minifabric_imports_without_torchft_and_says_how_to_install_it():
         "import minifabric\n"
         "from minifabric import FaultTolerance, FSDPStrategy\n"
         "FSDPStrategy(fault_tolerance=FaultTolerance(replica_group_id=0, num_replica_groups=2))\n"
-        "from minifabric.strategies.replica_group import _import_torchft\n"
+        "from minifabric.strategies.ft.quorum import import_torchft\n"
         "try:\n"
-        "    _import_torchft()\n"
+        "    import_torchft()\n"
         "except ImportError as err:\n"
         "    print(err)\n"
     )
@@ -108,10 +108,12 @@ class _Manager:
 
 
 def _group_in_step():
-    from minifabric.strategies.replica_group import ReplicaGroup
+    from minifabric.strategies.ft.fsdp_gradients import FSDPGradients
+    from minifabric.strategies.ft.replica_group import ReplicaGroup
 
     group = ReplicaGroup.__new__(ReplicaGroup)  # without torchft: only the all-reduce bookkeeping
     group._in_step, group._pending, group._manager = True, [], _Manager()
+    group._gradients = FSDPGradients()
     return group
 
 
@@ -229,7 +231,7 @@ class _QuorumManager:
 @pytest.fixture
 def quorum_manager(monkeypatch):
     """Every ReplicaGroup built in the test gets this manager instead of torchft's."""
-    from minifabric.strategies import replica_group
+    from minifabric.strategies.ft import quorum
 
     manager = _QuorumManager()
 
@@ -237,15 +239,18 @@ def quorum_manager(monkeypatch):
         manager.group = group
         return manager
 
-    monkeypatch.setattr(replica_group, "_make_manager", make)
+    monkeypatch.setattr(quorum, "make_manager", make)
     return manager
 
 
 def _replica_group(**settings):
-    from minifabric.strategies.replica_group import ReplicaGroup
+    from minifabric.strategies.ft.fsdp_gradients import FSDPGradients
+    from minifabric.strategies.ft.replica_group import ReplicaGroup
 
     ft = FaultTolerance(replica_group_id=0, num_replica_groups=2, **settings)
-    return ReplicaGroup(ft, group_rank=0, group_size=1, store_address=("localhost", 0))
+    return ReplicaGroup(
+        ft, group_rank=0, group_size=1, store_address=("localhost", 0), gradients=FSDPGradients()
+    )
 
 
 class _Logged:
@@ -323,7 +328,7 @@ def _16_mixed_replica_group():
 def test_the_scaler_and_a_scheduler_given_to_setup_are_healed(quorum_manager):
     import torch
 
-    from minifabric.strategies.heal_state import module_state
+    from minifabric.strategies.ft.heal import module_state
 
     acc = _16_mixed_replica_group()
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))

@@ -147,7 +147,7 @@ def test_groups_that_would_split_the_data_differently_are_refused_at_the_heal(qu
 
 def test_a_group_with_another_optimizer_is_refused_at_the_heal_naming_both(quorum_manager):  # noqa: F811
     """An AdamW state was loaded into SGD: its hyper-parameters replaced SGD's (no 'momentum' left)."""
-    from minifabric.strategies.heal_state import module_state
+    from minifabric.strategies.ft.heal import module_state
 
     acc = _launched()
     model = torch.nn.Linear(4, 1)

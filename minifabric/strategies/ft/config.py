@@ -10,7 +10,7 @@ copies the weights and optimizer state from a live group over the network (not f
 joins the next step.
 
 This module holds only the settings (it imports neither torch's FSDP nor torchft). The machinery is
-:mod:`minifabric.strategies.replica_group`, which imports torchft when the run starts.
+the rest of :mod:`minifabric.strategies.ft`, which imports torchft when the run starts.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ way (same model, same number of processes), so each rank needs only its own shar
 plain tensors: the local part of every sharded tensor (a DTensor's ``to_local()``) with its layout,
 and the receiver rebuilds the DTensors on its own device mesh. Nothing here communicates: building
 the state reads tensors in place (no copies) and applying it writes them in place.
+
+The whole payload (:func:`heal_payload`) is the modules' tensors, the optimizers' states and every
+registered object's ``state_dict()``; :func:`apply_heal_payload` checks that both groups hold the
+same things before it writes any of them.
 """
 
 from __future__ import annotations
@@ -191,3 +195,40 @@ class GroupSettings:
                 " same part of the data. Give each group its own number, from 0 to"
                 f" {here.num_replica_groups - 1}: `FaultTolerance(replica_group_id=..., ...)`."
             )
+
+
+def heal_payload(
+    module_views: list[dict[str, torch.Tensor]], optimizers: list[Optimizer], objects: dict[str, Any]
+) -> dict[str, Any]:
+    """What a live group sends: the modules' tensors (``module_views``, from :func:`module_state`),
+    the optimizers' states and the registered objects' states."""
+    return {
+        "modules": module_views,
+        "optimizers": [optimizer_state(o) for o in optimizers],
+        "objects": {name: obj.state_dict() for name, obj in objects.items()},
+    }
+
+
+def apply_heal_payload(
+    state: dict[str, Any], modules: list[nn.Module], optimizers: list[Optimizer], objects: dict[str, Any]
+) -> None:
+    """Load a live group's :func:`heal_payload` into this group's modules, optimizers and objects.
+
+    Raises:
+        RuntimeError: the live group holds other numbers of modules or optimizers, or other
+            registered objects (checked before anything is written), or their contents differ.
+    """
+    sent = (len(state["modules"]), len(state["optimizers"]), sorted(state["objects"]))
+    here = (len(modules), len(optimizers), sorted(objects))
+    if sent != here:
+        raise RuntimeError(
+            f"A live replica group sent (modules, optimizers, registered objects) = {sent}, but this"
+            f" group has {here}. Every replica group must set up the same models and optimizers and"
+            " register the same objects."
+        )
+    for module, received in zip(modules, state["modules"], strict=True):
+        load_module_state(module, received)
+    for optimizer, received in zip(optimizers, state["optimizers"], strict=True):
+        load_optimizer_state(optimizer, received)
+    for name, obj in objects.items():
+        obj.load_state_dict(state["objects"][name])
