@@ -129,8 +129,8 @@ class FSDPStrategy(Strategy):
         **fabric_options: Any,
     ) -> None:
         super().__init__(timeout=timeout, process_group_backend=process_group_backend, compile=compile)
-        #: fault tolerance as one component (its hooks do nothing without ``fault_tolerance``)
-        self.ft = build_fault_tolerance(fault_tolerance, FSDPGradients())
+        self._ft_started = False
+        self.fault_tolerance = fault_tolerance  # builds the component `self.ft`
         options = translate_fabric_options(
             {
                 "auto_wrap_policy": auto_wrap_policy,
@@ -162,7 +162,22 @@ class FSDPStrategy(Strategy):
         self.mixed_precision = mixed_precision
         self.device_mesh = check_device_mesh(device_mesh, sharding_strategy)
         self._mesh: DeviceMesh | None = device_mesh if isinstance(device_mesh, DeviceMesh) else None
-        self.fault_tolerance = fault_tolerance
+
+    @property
+    def fault_tolerance(self) -> FaultTolerance | None:
+        """The replica-group settings; set before ``acc.launch()``, the component :attr:`ft` follows them."""
+        return self._fault_tolerance
+
+    @fault_tolerance.setter
+    def fault_tolerance(self, value: FaultTolerance | None) -> None:
+        if self._ft_started:
+            raise RuntimeError(
+                f"fault_tolerance cannot change once the run started (acc.launch()), got {value!r}: pass"
+                " it before, `FSDPStrategy(fault_tolerance=FaultTolerance(...))`."
+            )
+        #: fault tolerance as one component (its hooks do nothing without ``fault_tolerance``)
+        self.ft = build_fault_tolerance(value, FSDPGradients())
+        self._fault_tolerance = value
 
     @property
     def replica_group(self) -> ReplicaGroup | None:
@@ -178,6 +193,7 @@ class FSDPStrategy(Strategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._init_process_group()  # fully_shard needs a process group even with one process
+        self._ft_started = True
         self.ft.on_setup(self)
 
     def teardown(self) -> None:

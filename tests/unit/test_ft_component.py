@@ -16,6 +16,7 @@ from minifabric.strategies.ft import (
     build_fault_tolerance,
 )
 from minifabric.strategies.ft.fsdp_gradients import FSDPGradients
+from tests.unit.test_fault_tolerance import quorum_manager  # noqa: F401 (a fixture)
 
 
 class _Untouchable:
@@ -139,3 +140,27 @@ def test_a_launched_fsdp_run_without_fault_tolerance_trains_as_before():
     assert acc.strategy.writes_checkpoints and acc.strategy.replica_group is None
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a.full_tensor(), b)
+
+
+def test_fault_tolerance_set_on_the_strategy_before_launch_is_what_runs(quorum_manager):  # noqa: F811
+    """Assigning ``strategy.fault_tolerance`` before the run starts switches it on (or off), as the
+    constructor argument does: never a strategy that reports settings it does not run."""
+    ft = FaultTolerance(replica_group_id=1, num_replica_groups=2)
+    strategy = FSDPStrategy()
+    strategy.fault_tolerance = ft
+    assert strategy.fault_tolerance is ft and isinstance(strategy.ft, TorchFTFaultTolerance)
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
+    acc = Accelerator(accelerator="cpu", strategy=strategy, devices=1)
+    acc.launch()
+    assert acc.strategy.replica_group is not None
+    with pytest.raises(RuntimeError, match=r"fault_tolerance cannot change once the run started"):
+        strategy.fault_tolerance = None
+    assert strategy.fault_tolerance is ft and acc.strategy.replica_group is not None
+    acc.strategy.replica_group.shutdown()
+    off = FSDPStrategy(fault_tolerance=ft)
+    off.fault_tolerance = None
+    assert off.fault_tolerance is None and isinstance(off.ft, NoFaultTolerance)
+    assert off.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
+    with pytest.raises(TypeError, match=r"fault_tolerance must be a minifabric\.FaultTolerance"):
+        off.fault_tolerance = {"replica_group_id": 0}
+    assert off.fault_tolerance is None and isinstance(off.ft, NoFaultTolerance)
