@@ -69,9 +69,13 @@ def test_a_view_write_is_recorded_on_the_base() -> None:
         t = torch.empty(3, 4)
         t.data.zero_()
         t[1].fill_(2.0)
+        row = t[1]
     expected = torch.zeros(3, 4)
     expected[1] = 2.0
     assert torch.equal(value_of(handle_of(t)), expected)  # type: ignore[arg-type]
+    view = handle_of(row)
+    assert view is not None and view.base is handle_of(t).base and view.chain  # type: ignore[union-attr]
+    assert torch.equal(value_of(view), expected[1])
 
 
 def test_the_init_package_keeps_no_process_wide_registry() -> None:
@@ -136,6 +140,17 @@ def test_a_part_built_in_an_earlier_block_keeps_its_record_in_a_later_model() ->
     _equal(nn.Sequential(encoder_eager, head_eager), model)
     materialize(tied)
     assert torch.equal(tied.weight, encoder_eager.weight)
+
+
+def test_new_data_given_in_a_later_block_is_recorded_there() -> None:
+    with meta_init_context():
+        model = nn.Linear(3, 2)
+    first = recording_of(model.weight)
+    with meta_init_context():
+        model.weight.data = torch.full((2, 3), 1.5)
+    assert recording_of(model.weight) is not first
+    materialize(model)
+    assert torch.equal(model.weight, torch.full((2, 3), 1.5))
 
 
 def test_a_deepcopy_shares_the_record_and_sets_up_like_the_original() -> None:
