@@ -53,6 +53,10 @@ class Recording:
         # recording, which does not know the copy (it is found by its module's record, by name).
         return self
 
+    def __reduce__(self) -> tuple[type, tuple]:
+        # a pickled tensor (`torch.save(param)`) is another object where it is loaded: it has no record
+        return (Recording, ())
+
     def bind(self, t: torch.Tensor, handle: Handle) -> None:
         """Record that ``t`` has ``handle`` (``t`` then refers to this recording)."""
         old = recording_of(t)

@@ -181,3 +181,15 @@ def test_materialize_drops_the_record() -> None:
     materialize(model)
     assert module_record(model) is None and recording_of(model.weight) is None
     assert recording_of(old) is None and old not in recording.handles
+
+
+def test_a_pickled_meta_parameter_loads_without_a_record() -> None:
+    import io
+
+    with meta_init_context():
+        model = nn.Linear(3, 2)
+    buffer = io.BytesIO()
+    torch.save(model.weight, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.is_meta and handle_of(loaded) is None and handle_of(model.weight) is not None
