@@ -12,7 +12,6 @@ not recorded, and ``setup`` refuses it instead of silently replaying the constru
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
@@ -23,13 +22,18 @@ import torch
 from torch import nn
 
 from minifabric._torch import inside_distribute_module, module_registration_hooks, storage_key, tensor_version
-from minifabric.init.recipe import RECORDS, SEALED, Base, Handle, handle_of, is_dtensor, module_record
+from minifabric.init.attach import Recording, handle_of, module_record, recording_of
+from minifabric.init.recipe import Base, Handle, is_dtensor
 from minifabric.init.record import Recorder
 from minifabric.init.verify import noting_constructions
 
 if TYPE_CHECKING:
-    from minifabric.init.materialize import Place
+    from minifabric.init.places import Place
 
+# The recorder of the block being executed. A scope that truly needs it: a nested `init_module`
+# records into the outer block's recording, and `wrap` (called from model code inside the block,
+# which is not handed the context) pauses it around `fully_shard`. Nothing recorded travels
+# through it: the recording is held by the models built (`minifabric.init.attach`).
 _RECORDER: ContextVar[Recorder | None] = ContextVar("minifabric_init_recorder", default=None)
 
 
@@ -70,12 +74,12 @@ def meta_init_context(verify: bool = False, keep: tuple[int, int] | None = None)
                 meta = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
                 recorder.track(meta, Base(param.shape, param.dtype, "value", value=param.detach()))
                 param = meta
-            _remember(module, name, recorder.lookup(param))
+            _remember(recorder.recording, module, name, recorder.lookup(param))
         return param
 
     def on_buffer(module: nn.Module, name: str, buffer: torch.Tensor) -> torch.Tensor:
         with recorder.paused_recording():
-            _remember(module, name, recorder.lookup(buffer))
+            _remember(recorder.recording, module, name, recorder.lookup(buffer))
         return buffer
 
     token = _RECORDER.set(recorder)
@@ -87,37 +91,16 @@ def meta_init_context(verify: bool = False, keep: tuple[int, int] | None = None)
     finally:
         recorder.release()
         _RECORDER.reset(token)
-        if _RECORDER.get() is None:  # the outermost context: what is written from now on is not recorded
-            _seal()
+        # what is written from now on is not recorded: `setup` refuses it (the outermost context)
+        recorder.recording.seal()
 
 
-#: modules given a record inside the current outermost context (sealed when it ends)
-_BUILT_HERE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
-def _seal() -> None:
-    """Note each tracked tensor's version counter: ``setup`` refuses one written after this point.
-
-    A tensor sealed by an earlier context keeps its first count (a write between the two is lost too).
-    Each module also notes whether it has its own ``reset_parameters`` now: Lightning Fabric calls
-    one set after the block when FSDP materializes the model, ``setup`` here never does.
-    """
-    for t in list(RECORDS.keys()):
-        if t not in SEALED:
-            SEALED[t] = tensor_version(t)
-    for module in list(_BUILT_HERE):
-        record = module_record(module)
-        if record is not None and record.own_reset is None:
-            record.own_reset = "reset_parameters" in module.__dict__
-    _BUILT_HERE.clear()
-
-
-def _remember(module: nn.Module, name: str, handle: Handle | None) -> None:
+def _remember(recording: Recording, module: nn.Module, name: str, handle: Handle | None) -> None:
     # Also kept by place, for when `fully_shard` or `copy.deepcopy` replaces the tensor before `setup`.
     record = module_record(module, create=handle is not None)
     if record is None:
         return
-    _BUILT_HERE.add(module)
+    recording.modules.add(module)
     if handle is None:
         record.pop(name, None)
     else:
@@ -137,17 +120,18 @@ def keeping_init_records(module: nn.Module) -> Iterator[None]:
     Init applied to the new parameters afterwards (still inside ``init_module``) is recorded too.
     """
     saved = [
-        (sub, name, handle)
+        (sub, name, handle, recording_of(p))
         for sub in module.modules()
         for name, p in sub._parameters.items()
         if (handle := handle_of(p)) is not None
     ]
     with paused_recording():
         yield
-    for sub, name, handle in saved:
+    recorder = _RECORDER.get()
+    for sub, name, handle, recording in saved:
         new = sub._parameters[name]
         if new is not None and handle_of(new) is None:
-            RECORDS[new] = handle
+            (recorder.recording if recorder is not None else recording).bind(new, handle)
 
 
 @contextmanager
@@ -157,7 +141,7 @@ def following_init_records(places: list[Place], root: nn.Module | None = None) -
     Around user code that rebuilds modules of a meta-built model before it is materialized (a
     ``parallelize_fn`` that swaps ``nn.Linear`` for a subclass built ``from_float``-style, which
     takes over the old module's ``Parameter`` objects, then applies a tensor-parallel plan). On
-    entry every tensor of ``places`` (:func:`~minifabric.init.materialize.recorded_places`) is bound
+    entry every tensor of ``places`` (:func:`~minifabric.init.places.recorded_places`) is bound
     to its record by identity, so the record follows the tensor, not the module that held it, and
     ``setup`` materializes the modules now in the model. A meta tensor registered in place of a
     recorded one is that tensor laid out anew only if it is a DTensor of the same shape registered
@@ -181,7 +165,7 @@ def following_init_records(places: list[Place], root: nn.Module | None = None) -
     for sub, name, is_param, handle in places:
         tensor = (sub._parameters if is_param else sub._buffers)[name]
         if tensor is not None and handle_of(tensor) is None:
-            RECORDS[tensor] = handle
+            Recording().bind(tensor, handle)  # a copy's tensor, known by name only: now by identity
         if tensor is not None:
             watched.append((label(sub, name), tensor, _state(tensor)))
 
@@ -199,7 +183,7 @@ def following_init_records(places: list[Place], root: nn.Module | None = None) -
         ):
             handle = handle_of(old)  # `parallelize_module`: the same parameter, laid out over the mesh
             if handle is not None:
-                RECORDS[tensor] = handle
+                recording_of(old).bind(tensor, handle)  # type: ignore[union-attr]
         if handle is not None:
             watched.append((label(module, name), tensor, _state(tensor)))
         record = module_record(module, create=handle is not None)

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from minifabric._torch import refusing_writes, storage_key, swap_module_tensors
-from minifabric.init.materialize import has_init_records, has_meta_tensors
+from minifabric.init.attach import has_init_records
+from minifabric.init.places import has_meta_tensors
 
 
 def reset_meta_modules(module: nn.Module, device: torch.device | str) -> bool:

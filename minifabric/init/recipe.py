@@ -7,10 +7,8 @@ is a :class:`Handle` (the base and the chain of view calls). Ops refer to what t
 :class:`Ref` (a tracked tensor as of a point of the recording) or :class:`Real` (a real tensor,
 copied when it was read).
 
-Which tensor has which handle is kept in :data:`RECORDS` (a registry with weak keys: nothing is
-stored on the tensors themselves; :data:`SEALED` beside it keeps each one's version counter at the
-end of its ``init_module``), and by module and attribute name in a :class:`ModuleRecord`,
-for when torch's ``fully_shard`` or ``copy.deepcopy`` replaces the tensor objects before ``setup``.
+Which tensor has which handle is kept on the model that was built: see
+:mod:`~minifabric.init.attach`.
 """
 
 from __future__ import annotations
@@ -22,8 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 #: Orders every recorded op and read, across models: a read sees the ops numbered before it.
 SEQ = itertools.count()
@@ -98,56 +94,8 @@ class Real:
     tensor: torch.Tensor
 
 
-#: tracked tensor -> its handle (weak keys, by identity: a tensor's ``==`` is elementwise).
-RECORDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-#: tracked tensor -> its version counter when its ``init_module`` ended: a write after that (not
-#: recorded, so lost at ``setup``) changes the counter and is refused at ``setup``.
-SEALED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-_MODULE_RECORD_ATTR = "_minifabric_init_record"
-
-
-class ModuleRecord(dict):
-    """Attribute name -> handle of the meta tensors a module registered inside ``init_module``.
-
-    Kept in the module's ``__dict__``, the one fact stored on a user object: a registry with weak
-    keys would lose it when ``copy.deepcopy`` (``AveragedModel``, an EMA copy) copies the module,
-    and the copy must set up to the same weights as the original. A copy shares the record (the
-    recipes are the original's), so ``deepcopy`` returns it unchanged.
-    """
-
-    #: Whether the module had its own ``reset_parameters`` (an instance attribute) when its
-    #: ``init_module`` ended; None until then. One set later is refused at ``setup``.
-    own_reset: bool | None = None
-
-    def __deepcopy__(self, memo: dict) -> ModuleRecord:
-        return self
-
-
-def handle_of(t: Any) -> Handle | None:
-    """The handle recorded for a tracked tensor, if any."""
-    return RECORDS.get(t) if isinstance(t, torch.Tensor) else None
-
-
 def is_dtensor(t: Any) -> bool:
     """Whether ``t`` is a DTensor (without importing ``torch.distributed.tensor``: if it is not
     imported, no DTensor exists)."""
     tensor_module = sys.modules.get("torch.distributed.tensor")
     return tensor_module is not None and isinstance(t, tensor_module.DTensor)
-
-
-def module_record(module: nn.Module, create: bool = False) -> ModuleRecord | None:
-    """The record of ``module``'s meta tensors (created empty when ``create``)."""
-    record = module.__dict__.get(_MODULE_RECORD_ATTR)
-    if record is None and create:
-        record = module.__dict__[_MODULE_RECORD_ATTR] = ModuleRecord()
-    return record
-
-
-def forget_records(module: nn.Module) -> None:
-    """Drop what was recorded for ``module``'s tensors (after they were materialized)."""
-    for t in (*module.parameters(), *module.buffers()):
-        RECORDS.pop(t, None)
-        SEALED.pop(t, None)
-    for sub in module.modules():
-        sub.__dict__.pop(_MODULE_RECORD_ATTR, None)

@@ -39,6 +39,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from minifabric._torch import seeded_op_probe, storage_key, torch_init_call, tree_flatten, tree_map
+from minifabric.init.attach import Recording, handle_of
 from minifabric.init.calls import (
     DATA,
     DATA_SET,
@@ -51,7 +52,7 @@ from minifabric.init.calls import (
     is_inplace,
     to_meta,
 )
-from minifabric.init.recipe import RECORDS, SEQ, TARGET, Base, Handle, Op, Real, Ref, handle_of
+from minifabric.init.recipe import SEQ, TARGET, Base, Handle, Op, Real, Ref
 from minifabric.init.replay import apply_chain, call, resolver
 
 
@@ -70,6 +71,7 @@ class Recorder(TorchFunctionMode):
     def __init__(self, keep: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.keep = keep
+        self.recording = Recording()  # what it records; held by the models built, not by the recorder
         self._scratch_bytes: torch.Tensor | None = None  # reused: page-faulted once, not per parameter
         self._alive: list[torch.Tensor] = []  # tracked meta tensors: their storages are never reused
         self._by_storage: dict[int, list[tuple[torch.Tensor, Handle]]] = {}
@@ -97,7 +99,7 @@ class Recorder(TorchFunctionMode):
             if handle.stride is None:  # random init fills memory in stride order: part of the record
                 handle.stride = tuple(t.stride())
             handle = Handle(handle)
-        RECORDS[t] = handle
+        self.recording.bind(t, handle)
         self._alive.append(t)
         self._by_storage.setdefault(storage_key(t), []).append((t, handle))
         if t.is_meta:
@@ -118,7 +120,7 @@ class Recorder(TorchFunctionMode):
                 t.stride(),
                 t.storage_offset(),
             ):
-                RECORDS[t] = known_handle
+                self.recording.bind(t, known_handle)
                 self._alive.append(t)
                 self._layouts[id(t)] = _layout(t)
                 return known_handle
@@ -324,7 +326,6 @@ class Recorder(TorchFunctionMode):
             base.creator = self._op(_identity, "`.data =`", (value,), {})
         except Unrecordable as e:
             base.problem = f"`.data =` {e}"
-        RECORDS.pop(target, None)
         self.track(target, base)
         return None
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from minifabric._torch import storage_key, tree_flatten, tree_map
-from minifabric.init.recipe import TARGET, Base, Op, Real, Ref
+from minifabric.init.recipe import TARGET, Base, Handle, Op, Real, Ref
 
 
 @contextmanager
@@ -120,3 +120,9 @@ def evaluate(base: Base, upto: int | None = None) -> torch.Tensor:
 def resolver() -> Callable[[Any], Any]:
     """A function that turns a recorded read (Ref, Real, or a plain value) into its value."""
     return _Replay().resolve
+
+
+def value_of(handle: Handle) -> torch.Tensor:
+    """The full value eager construction gave the tensor ``handle`` stands for (a view of a base, or the base)."""
+    value = evaluate(handle.base)
+    return apply_chain(value, handle.chain, resolver()) if handle.chain else value

@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
@@ -49,9 +48,17 @@ class _Construction:
     #: name -> (the real tensor there when construction ended, its version counter then)
     real: dict[str, tuple[weakref.ref, int]] = field(default_factory=dict)
 
+    def __deepcopy__(self, memo: dict) -> None:
+        # A copy of the model (`copy.deepcopy`, `AveragedModel`) was not built by this construction.
+        return None
 
-#: model built with the self-check on -> how it was built
-_BUILT: WeakKeyDictionary[nn.Module, _Construction] = WeakKeyDictionary()
+
+#: How a model built with the self-check on was built: a `_Construction` in the model's `__dict__`.
+_BUILT_ATTR = "_minifabric_construction"
+
+
+def _construction(module: nn.Module) -> _Construction | None:
+    return module.__dict__.get(_BUILT_ATTR)
 
 
 def verify_requested(verify: bool | None) -> bool:
@@ -73,16 +80,17 @@ def noting_constructions() -> Iterator[None]:
 
     def on_start(module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not stack:
-            _BUILT[module] = _Construction(
+            module.__dict__[_BUILT_ATTR] = _Construction(
                 type(module), args, kwargs, torch.get_rng_state(), host_before=_host_rng_state()
             )
         stack.append(module)
 
     def on_end(module: nn.Module) -> None:
         stack.pop()
-        if not stack and module in _BUILT:
-            _BUILT[module].rng_after = torch.get_rng_state()
-            _BUILT[module].real = {
+        built = _construction(module)
+        if not stack and built is not None:
+            built.rng_after = torch.get_rng_state()
+            built.real = {
                 name: (weakref.ref(t), tensor_version(t))
                 for name, t in _named_tensors(module)
                 if not t.is_meta
@@ -122,7 +130,7 @@ def _host_rng(state: tuple) -> Iterator[None]:
 
 def wants_check(module: nn.Module) -> bool:
     """Whether ``module`` was built with the self-check on (the same answer on every rank)."""
-    return module in _BUILT
+    return _construction(module) is not None
 
 
 def self_check(
@@ -141,7 +149,7 @@ def self_check(
     Raises:
         InitMismatch: the first difference, naming the tensor (or the random stream) and the fix.
     """
-    built = _BUILT.pop(module, None)
+    built = module.__dict__.pop(_BUILT_ATTR, None)
     if built is None:
         warnings.warn(
             f"The meta-init self-check cannot rebuild this {type(module).__name__}: it was not constructed"

@@ -31,8 +31,7 @@ from minifabric.init import (
     InitMismatch,
     materialize,
     meta_init_context,
-    recorded_places,
-    reset_meta_modules,
+    places_to_materialize,
     self_check,
     wants_check,
 )
@@ -246,8 +245,7 @@ class Strategy:
         A model built under plain ``torch.device("meta")`` (outside ``init_module``) is materialized
         here as Lightning Fabric does: ``to_empty`` and each module's ``reset_parameters()``.
         """
-        reset_meta_modules(module, self.root_device)
-        return recorded_places(module)
+        return places_to_materialize(module, self.root_device)
 
     def _materialize(
         self,

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from minifabric._torch import tree_map
+from minifabric.init.place import copy_into_local
 from minifabric.parameters import optimizer_parameters
 
 
@@ -64,15 +65,15 @@ def load_module_state(module: nn.Module, received: dict[str, torch.Tensor]) -> N
         )
     with torch.no_grad():
         for name, tensor in live.items():
-            target = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            source = received[name]
-            if target.shape != source.shape:
-                raise RuntimeError(
+            copy_into_local(
+                tensor,
+                received[name],
+                lambda here, got, name=name: RuntimeError(
                     f"The state received from a live replica group has {name!r} of shape"
-                    f" {tuple(source.shape)} here, but this rank holds {tuple(target.shape)}. Every replica"
+                    f" {got} here, but this rank holds {here}. Every replica"
                     " group must build the same model with the same number of processes."
-                )
-            target.copy_(source)
+                ),
+            )
 
 
 def optimizer_state(optimizer: Optimizer) -> dict[str, Any]:
