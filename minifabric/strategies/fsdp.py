@@ -17,7 +17,6 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
@@ -44,6 +43,7 @@ from minifabric.strategies.fsdp_wrap import (
     apply_activation_checkpointing,
     build_mesh,
     inner_policy,
+    mesh_after_launch,
     mixed_precision_policy,
     offload_policy,
     select_blocks,
@@ -214,17 +214,16 @@ class FSDPStrategy(Strategy):
     def mesh(self) -> DeviceMesh:
         """The device mesh parameters are sharded over (built on first use, after ``launch``)."""
         if self._mesh is None:
-            if not dist.is_initialized():
-                raise RuntimeError(
-                    "The FSDP device mesh needs the process group. Call `acc.launch()` before"
-                    " `acc.init_module()` or `acc.setup(model)`."
-                )
-            self._mesh = build_mesh(
-                self.sharding_strategy,
-                self.root_device.type,
-                self.num_nodes,
-                self.num_processes,
-                shape=self.device_mesh if isinstance(self.device_mesh, tuple) else None,
+            self._mesh = mesh_after_launch(
+                lambda: build_mesh(
+                    self.sharding_strategy,
+                    self.root_device.type,
+                    self.num_nodes,
+                    self.num_processes,
+                    shape=self.device_mesh if isinstance(self.device_mesh, tuple) else None,
+                ),
+                "The FSDP device mesh",
+                "`acc.init_module()` or `acc.setup(model)`",
             )
         return self._mesh
 

@@ -35,6 +35,17 @@ ShardingStr = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 WrapPolicy = set[type[nn.Module]] | Callable[[nn.Module, str], bool] | None
 
 
+def mesh_after_launch(build: Callable[[], DeviceMesh], mesh: str, needed_by: str) -> DeviceMesh:
+    """``build()``, once the process group exists (a strategy builds its mesh on first use).
+
+    Raises:
+        RuntimeError: before ``acc.launch()``, naming the ``mesh`` and the calls that need it.
+    """
+    if not torch.distributed.is_initialized():
+        raise RuntimeError(f"{mesh} needs the process group. Call `acc.launch()` before {needed_by}.")
+    return build()
+
+
 def build_mesh(
     sharding_strategy: ShardingStr,
     device_type: str,

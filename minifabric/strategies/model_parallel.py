@@ -26,7 +26,6 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
@@ -45,6 +44,7 @@ from minifabric.strategies.fsdp_grads import clip_grad_norm_
 from minifabric.strategies.fsdp_wrap import (
     ShardSettings,
     apply_activation_checkpointing,
+    mesh_after_launch,
     mixed_precision_policy,
     select_blocks,
     shard_model,
@@ -166,14 +166,17 @@ class ModelParallelStrategy(Strategy):
     def device_mesh(self) -> DeviceMesh:
         """The ``(data_parallel, tensor_parallel)`` mesh (built on first use, after ``launch``)."""
         if self._mesh is None:
-            if not dist.is_initialized():
-                raise RuntimeError(
-                    "The device mesh needs the process group. Call `acc.launch()` before"
-                    " `acc.setup(model)` or reading `strategy.device_mesh`."
-                )
-            if self._sizes is None:
-                raise RuntimeError("ModelParallelStrategy is used before an Accelerator was built with it.")
-            self._mesh = build_2d_mesh(self.root_device.type, *self._sizes)
+
+            def build() -> DeviceMesh:
+                if self._sizes is None:
+                    raise RuntimeError("ModelParallelStrategy is used before an Accelerator was built with it.")
+                return build_2d_mesh(self.root_device.type, *self._sizes)
+
+            self._mesh = mesh_after_launch(
+                build,
+                "The device mesh",
+                "`acc.setup(model)` or reading `strategy.device_mesh`",
+            )
         return self._mesh
 
     mesh = device_mesh

@@ -206,3 +206,12 @@ def test_optimizer_state_in_another_dtype_than_the_set_up_parameters_is_refused(
     ):
         acc.setup(model, optimizer)
     assert list(optimizer.state) == params and optimizer.param_groups[0]["params"] == params  # nothing moved
+
+
+def test_a_mesh_read_before_launch_names_the_missing_launch():
+    from minifabric.strategies.model_parallel import ModelParallelStrategy
+
+    with pytest.raises(RuntimeError, match=r"The FSDP device mesh needs the process group\. Call `acc\.launch\(\)`"):
+        _ = FSDPStrategy().mesh
+    with pytest.raises(RuntimeError, match=r"The device mesh needs the process group\. Call `acc\.launch\(\)`"):
+        _ = ModelParallelStrategy(lambda model, mesh: model).device_mesh
