@@ -10,8 +10,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from minifabric._torch import track_scheduler_steps
+from minifabric.data import _WrappedDataLoader
 from minifabric.init import has_meta_tensors, verify_requested
-from minifabric.wrappers import _WrappedDataLoader, _WrappedModule, _WrappedOptimizer
+from minifabric.wrappers import _WrappedModule, _WrappedOptimizer
 
 
 class CallWithAccelerator:

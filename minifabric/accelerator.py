@@ -23,13 +23,13 @@ from torch.utils.data import DataLoader
 from minifabric import _arguments, fabric_compat
 from minifabric._torch import split_compiled
 from minifabric.callbacks import as_list, call_hook, check_loggers, first_logger, log_metrics
-from minifabric.data import setup_dataloader
+from minifabric.data import _WrappedDataLoader, setup_dataloader
 from minifabric.precision import Precision, PrecisionInput
 from minifabric.resolve import AcceleratorStr, StrategyStr, apply_cli_settings, launched_by_cli, resolve
 from minifabric.seed import seed_everything as _seed_everything
 from minifabric.strategies.rebind import OrphanWatch, SetupLedger, parameter_names
 from minifabric.strategies.strategy import Strategy
-from minifabric.wrappers import _WrappedDataLoader, _WrappedModule, _WrappedOptimizer
+from minifabric.wrappers import _WrappedModule, _WrappedOptimizer
 
 if TYPE_CHECKING:
     from minifabric.checkpoint.hf import KeyMap

@@ -1,4 +1,5 @@
-"""Data loading: a resumable distributed sampler and the loader rebuild done by ``setup_dataloaders``.
+"""Data loading: a resumable distributed sampler, the loader rebuild done by ``setup_dataloaders``, and
+the loader it returns (:class:`_WrappedDataLoader`: batches moved to the device, a saveable position).
 
 The position of a pass is *global*: the number of positions of the epoch's order that every rank
 together has consumed. ``DistributedSampler`` gives rank ``r`` of ``N`` the positions ``r, r+N,
@@ -12,7 +13,7 @@ the uninterrupted pass would have given each rank.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Generator, Iterator, Sized
 from typing import Any
 
 import torch
@@ -233,3 +234,161 @@ def reseed_loader_generator(loader: DataLoader, epoch: int) -> bool:
     base = loader._minifabric_generator_seed  # type: ignore[attr-defined]
     loader.generator.manual_seed((base * 1_000_003 + epoch) % (2**63))  # type: ignore[union-attr]
     return True
+
+
+_END = object()  # what `next` returns when a pass has no batch left
+
+
+class _WrappedDataLoader:
+    """Moves batches to the device and sets the sampler's epoch at the start of every pass.
+
+    ``state_dict()``/``load_state_dict()`` record the epoch and the samples already consumed, so a
+    run restored from a checkpoint continues at the next unseen batch.
+    """
+
+    def __init__(self, dataloader: DataLoader, device: torch.device | None) -> None:
+        self._dataloader = dataloader
+        self._device = device
+        self._epoch = 0
+        self._samples_seen = 0  # of this rank, in the current pass
+        self._consumed_before = 0  # positions of the epoch consumed by all ranks before this pass
+        self._start = 0  # positions consumed before the next iter() (set by load_state_dict)
+        self._in_epoch = False
+        self._follow = False  # loaded during a pass: the pass goes on from the loaded position
+        self._generator_state: torch.Tensor | None = None
+        self._iterated = False  # an iterator was created (persistent workers keep theirs)
+        self._before_batch: list[Callable[[], None]] = []
+
+    def call_before_each_batch(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` before every batch is drawn (and before the end of a pass is found).
+
+        A hook may load a position into this loader (``load_state_dict``): the running pass then
+        draws its next batch from there.
+        """
+        self._before_batch.append(hook)
+
+    @property
+    def dataloader(self) -> DataLoader:
+        """The underlying ``DataLoader``."""
+        return self._dataloader
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where batches are moved (None with ``move_to_device=False``), as Fabric's loader has it."""
+        return self._device
+
+    def __len__(self) -> int:
+        return len(self._dataloader)
+
+    def __iter__(self) -> Iterator[Any]:
+        while (yield from self._pass()):  # loaded during the pass: go on from the loaded position
+            pass
+
+    def _pass(self) -> Generator[Any, None, bool]:
+        """One pass over the epoch from the loaded position; True if it stopped to follow a load."""
+        self._follow = False
+        sampler = getattr(self._dataloader, "sampler", None)
+        if sampler is not None and hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(self._epoch)
+        consumed, self._start = self._start, 0
+        if consumed and not hasattr(sampler, "resume"):
+            raise RuntimeError(
+                "This dataloader cannot resume mid-epoch: its sampler was not set up by minifabric."
+                " Use `acc.setup_dataloaders(loader)` (with use_distributed_sampler=True)."
+            )
+        if consumed:
+            sampler.resume(consumed)  # type: ignore[union-attr]
+        self._consumed_before = consumed
+        generator = getattr(self._dataloader, "generator", None)
+        loader = self._dataloader
+        reused = loader.persistent_workers and loader.num_workers > 0 and self._iterated
+        if owns_generator(loader) and not consumed and not reused:
+            # A loader without a generator of its own (Fabric's) draws its workers' base seed from
+            # the global RNG when it creates an iterator (once with persistent workers): draw it
+            # too, so the script's random stream stays Fabric's (a pass resumed mid-epoch made
+            # that draw before the checkpoint).
+            torch.empty((), dtype=torch.int64).random_()
+            if getattr(sampler, "shuffle", False) and getattr(sampler, "num_replicas", 0) == 1:
+                # on one process Fabric keeps the RandomSampler, which draws its own seed too
+                torch.empty((), dtype=torch.int64).random_()
+        self._iterated = True
+        if not reseed_loader_generator(self._dataloader, self._epoch) and generator is not None:
+            # Creating the iterator draws from the generator: keep the state from before that
+            # draw, so a run resumed mid-epoch draws the same worker seeds again.
+            self._generator_state = generator.get_state()
+        batch_size = self._dataloader.batch_size or 1
+        self._samples_seen, self._in_epoch = 0, True
+        batches = iter(self._dataloader)
+        while True:
+            for hook in self._before_batch:
+                hook()
+            if self._follow:  # a hook loaded a position: draw from there instead
+                return True
+            batch = next(batches, _END)
+            if batch is _END:
+                break
+            self._samples_seen += batch_size
+            yield move_data_to_device(batch, self._device) if self._device is not None else batch
+            if self._follow:
+                return True
+        self._epoch += 1
+        self._samples_seen, self._in_epoch, self._consumed_before = 0, False, 0
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where iteration resumes: the epoch and this rank's samples consumed in it.
+
+        The state is the same on every rank when minifabric built the loader's generator (it is
+        re-seeded from the epoch), so it also maps onto a different number of processes.
+        """
+        refuse_iterable_position(self._dataloader)
+        sampler = getattr(self._dataloader, "sampler", None)
+        replicas = getattr(sampler, "num_replicas", 1)
+        consumed = self._consumed_before + self._samples_seen * replicas  # by all ranks together
+        if self._start and not self._in_epoch:  # loaded, not iterated since
+            consumed = self._start
+        state: dict[str, Any] = {
+            "epoch": self._epoch,
+            "samples_seen": consumed // replicas,
+            "num_replicas": replicas,
+        }
+        if isinstance(sampler, ResumableDistributedSampler):
+            state.update(sampler.position(consumed))
+        generator = getattr(self._dataloader, "generator", None)
+        if generator is not None and not owns_generator(self._dataloader):
+            state["generator"] = self._generator_state if self._in_epoch else generator.get_state()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue from ``state_dict`` at the first sample not seen yet: at the next ``iter()``, or,
+        when loaded while a pass runs, at that pass's next batch.
+
+        The position is global (samples consumed by all ranks together), so a loader saved on N
+        processes resumes on M: the rest of the epoch is dealt over the M ranks, and over the whole
+        epoch every sample is seen once (see :mod:`minifabric.data`).
+
+        Raises:
+            ValueError: the saved order (seed, shuffle, ``drop_last``, dataset size) differs from this loader's.
+        """
+        sampler = getattr(self._dataloader, "sampler", None)
+        if isinstance(sampler, ResumableDistributedSampler):
+            sampler.check_position(state_dict)
+        saved_replicas = int(state_dict.get("num_replicas", 1))
+        consumed = int(state_dict.get("consumed", int(state_dict["samples_seen"]) * saved_replicas))
+        replicas = getattr(sampler, "num_replicas", 1)
+        if consumed and replicas != saved_replicas and not isinstance(sampler, ResumableDistributedSampler):
+            raise ValueError(
+                f"The dataloader was saved mid-epoch on {saved_replicas} processes and is loaded on"
+                f" {replicas}, but its sampler ({type(sampler).__name__}) is your own: its position maps"
+                " only onto the same number of processes. Resume on the same number, or at an epoch"
+                " boundary (save after the epoch ends)."
+            )
+        self._epoch = int(state_dict["epoch"])
+        self._start = consumed
+        self._follow = self._in_epoch
+        generator = getattr(self._dataloader, "generator", None)
+        if generator is not None and "generator" in state_dict:
+            generator.set_state(state_dict["generator"])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dataloader, name)
