@@ -27,7 +27,7 @@ from minifabric.data import _WrappedDataLoader, setup_dataloader
 from minifabric.precision import Precision, PrecisionInput
 from minifabric.resolve import AcceleratorStr, StrategyStr, apply_cli_settings, launched_by_cli, resolve
 from minifabric.seed import seed_everything as _seed_everything
-from minifabric.strategies.rebind import OrphanWatch, SetupLedger, parameter_names
+from minifabric.strategies.rebind import OrphanWatch, SetupLedger, parameters_before
 from minifabric.strategies.strategy import Strategy
 from minifabric.wrappers import _WrappedModule, _WrappedOptimizer
 
@@ -314,10 +314,10 @@ class Accelerator:
         if (
             forward_module is None
         ):  # else set up again, as Fabric allows: the same placed model, a new wrapper
-            names = parameter_names(module)
+            before = parameters_before(module)
             with self._orphans.watch(module):
                 forward_module = self._strategy.setup_module(compiled)
-            self._ledger.record(names, module, forward_module)
+            self._ledger.record(before, module, forward_module)
         fabric_compat.attach_lightning_module(module, self, self._callbacks)
         return _WrappedModule(forward_module, module, self._strategy)
 

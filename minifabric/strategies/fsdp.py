@@ -42,6 +42,7 @@ from minifabric.strategies.fsdp_wrap import (
     WrapPolicy,
     apply_activation_checkpointing,
     build_mesh,
+    check_sharded_parameters,
     inner_policy,
     mesh_after_launch,
     mixed_precision_policy,
@@ -317,7 +318,9 @@ class FSDPStrategy(Strategy):
         return True
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Refuse an optimizer over parameters no set-up model owns; with replica groups, watch it."""
         self.ft.on_optimizer(optimizer)
+        check_sharded_parameters(optimizer)
         return optimizer
 
     def setup_dataloader(self, dataloader: Any) -> None:

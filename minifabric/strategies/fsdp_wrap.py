@@ -23,6 +23,8 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
 
 from minifabric._torch import activations_checkpointed, checkpoint_activations
 from minifabric.parameters import TensorPlace, shared_tensors
@@ -33,6 +35,28 @@ log = logging.getLogger(__name__)
 ShardingStr = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 #: ``None`` (find repeated blocks), a set of module classes, or ``(module, name) -> bool``.
 WrapPolicy = set[type[nn.Module]] | Callable[[nn.Module, str], bool] | None
+
+
+def check_sharded_parameters(optimizer: Optimizer) -> None:
+    """Refuse an optimizer that holds a parameter ``fully_shard`` did not shard.
+
+    Every parameter of a model set up under FSDP is a DTensor. A plain tensor in the optimizer
+    belongs to no set-up model: each rank would step its own copy with its own gradient, never
+    reduced, and the ranks would drift apart without an error.
+
+    Raises:
+        ValueError: naming how many such parameters, their shapes, and the fix.
+    """
+    plain = [p for group in optimizer.param_groups for p in group["params"] if not isinstance(p, DTensor)]
+    if plain:
+        raise ValueError(
+            f"{type(optimizer).__name__} holds {len(plain)} parameter(s) that no model set up with"
+            f" FSDPStrategy owns (shapes: {', '.join(str(tuple(p.shape)) for p in plain[:4])}): each"
+            " rank would update its own copy with unreduced gradients. Set up the model that owns"
+            " them first, `model = acc.setup(model)`, then `optimizer = acc.setup_optimizers(optimizer)`"
+            " (or `acc.setup(model, optimizer)`); a module that holds trainable parameters (a learned"
+            " loss scale, a head) must be part of the model passed to `setup`."
+        )
 
 
 def mesh_after_launch(build: Callable[[], DeviceMesh], mesh: str, needed_by: str) -> DeviceMesh:

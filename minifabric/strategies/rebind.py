@@ -32,6 +32,27 @@ def parameter_names(module: nn.Module) -> dict[int, str]:
     return names
 
 
+#: ``id(parameter)`` -> (its first qualified name, a weak reference to it), taken before ``setup``
+Before = dict[int, tuple[str, "weakref.ref[nn.Parameter]"]]
+
+
+def parameters_before(module: nn.Module) -> Before:
+    """``module``'s parameters before ``setup`` replaces them: names, held weakly.
+
+    The weak reference tells a live original from a new object that got the id of a freed one
+    (Python reuses the ids of freed objects): only a live original may be matched by its id.
+    """
+    before: Before = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        before.setdefault(id(param), (_clean(name), weakref.ref(param)))
+    return before
+
+
+def _live_names(before: Before) -> dict[int, str]:
+    """The names of the originals in ``before`` that are still alive, by id."""
+    return {key: name for key, (name, ref) in before.items() if ref() is not None}
+
+
 def _clean(name: str) -> str:
     """``name`` without the component torch's ``checkpoint_wrapper`` inserts (a parallelize_fn may add it)."""
     return name.replace(_CHECKPOINT_WRAPPED, "")
@@ -111,12 +132,12 @@ class SetupLedger:
     """
 
     def __init__(self) -> None:
-        self._setups: list[tuple[dict[int, str], nn.Module]] = []
+        self._setups: list[tuple[Before, nn.Module]] = []
         self._forward: dict[int, nn.Module] = {}  # id(module) -> the module its forward calls
 
-    def record(self, names_before: dict[int, str], module: nn.Module, forward_module: nn.Module) -> None:
-        """Remember ``module``, set up just now, with its parameter names from before ``setup``."""
-        self._setups.append((names_before, module))
+    def record(self, before: Before, module: nn.Module, forward_module: nn.Module) -> None:
+        """Remember ``module``, set up just now, with its parameters from before ``setup`` (:func:`parameters_before`)."""
+        self._setups.append((before, module))
         self._forward[id(module)] = forward_module
 
     def modules(self) -> list[nn.Module]:
@@ -131,10 +152,10 @@ class SetupLedger:
 
     def check_owned(self, optimizers: tuple, module: nn.Module) -> None:
         """Raise unless each optimizer passed together with ``module`` holds some of its parameters."""
-        for names, recorded in self._setups:
+        for before, recorded in self._setups:
             if recorded is not module:
                 continue
-            known = names.keys() | {id(p) for p in module.parameters()}
+            known = _live_names(before).keys() | {id(p) for p in module.parameters()}
             for optimizer in optimizers:
                 if (
                     isinstance(optimizer, Optimizer)
@@ -153,7 +174,8 @@ class SetupLedger:
         ``step()`` raises: see :class:`OrphanWatch`).
         """
         ids = {id(p) for p in optimizer_parameters(optimizer)}
-        for names, module in reversed(self._setups):
+        for before, module in reversed(self._setups):
+            names = _live_names(before)  # a freed original's id may now be another parameter's
             if ids & names.keys() or ids & {id(p) for p in module.parameters()}:
                 names = {**names, **{id(p): _clean(n) for n, p in module.named_parameters()}}
                 rebind_optimizer(optimizer, names, module)

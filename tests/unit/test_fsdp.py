@@ -215,3 +215,19 @@ def test_a_mesh_read_before_launch_names_the_missing_launch():
         _ = FSDPStrategy().mesh
     with pytest.raises(RuntimeError, match=r"The device mesh needs the process group\. Call `acc\.launch\(\)`"):
         _ = ModelParallelStrategy(lambda model, mesh: model).device_mesh
+
+
+def test_an_optimizer_over_parameters_of_no_set_up_model_is_refused() -> None:
+    acc = Accelerator(accelerator="cpu", strategy="fsdp", devices=1)
+    acc.launch()
+    model = acc.setup_module(nn.Linear(4, 4))
+    head = nn.Linear(4, 2)  # never set up: each rank would step its own copy
+    optimizer = torch.optim.SGD(head.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"SGD holds 2 parameter\(s\) that no model set up with FSDPStrategy owns"):
+        acc.setup_optimizers(optimizer)
+    assert optimizer.param_groups[0]["params"] == list(head.parameters())  # nothing moved
+    mixed = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.1)
+    with pytest.raises(ValueError, match=r"SGD holds 2 parameter\(s\) that are not parameters of the"):
+        acc.setup_optimizers(mixed)
+    # over the set-up model's own parameters, it is accepted
+    acc.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))

@@ -14,7 +14,13 @@ import torch
 from torch import nn
 
 from minifabric.init import materialize, meta_init_context
-from minifabric.strategies.rebind import OrphanWatch, SetupLedger, parameter_names, rebind_optimizer
+from minifabric.strategies.rebind import (
+    OrphanWatch,
+    SetupLedger,
+    parameter_names,
+    parameters_before,
+    rebind_optimizer,
+)
 
 
 def _replace_parameters(model: nn.Module, dtype: torch.dtype | None = None) -> None:
@@ -124,14 +130,31 @@ def test_the_ledger_rebinds_an_optimizer_to_the_model_it_was_built_over() -> Non
     optimizer = torch.optim.SGD(second.parameters(), lr=0.1)
     originals = [*first.parameters(), *second.parameters()]  # alive: their ids are not reused
     for model in (first, second):
-        names = parameter_names(model)
+        before = parameters_before(model)
         _replace_parameters(model)
-        ledger.record(names, model, model)
+        ledger.record(before, model, model)
     ledger.rebind(optimizer)
     assert optimizer.param_groups[0]["params"] == list(second.parameters())
     with pytest.raises(ValueError, match="SGD holds no parameter of the Sequential"):
         ledger.check_owned((optimizer,), first)
     del originals
+
+
+def test_the_ledger_never_matches_a_new_parameter_by_the_id_of_a_freed_original() -> None:
+    # Python reuses the ids of freed objects: a parameter made after setup may get the id of an
+    # original that setup replaced and freed. Matching it by id would point its optimizer at the
+    # set-up model's parameter of that name, silently.
+    ledger = SetupLedger()
+    model = _model()
+    before = parameters_before(model)
+    _replace_parameters(model)  # the originals are freed
+    head = torch.nn.Parameter(torch.zeros(4, 4))
+    stale_key = next(iter(before))
+    before[id(head)] = before.pop(stale_key)  # as if `head` had got that freed original's id
+    ledger.record(before, model, model)
+    optimizer = torch.optim.SGD([head], lr=0.1)
+    ledger.rebind(optimizer)
+    assert optimizer.param_groups[0]["params"][0] is head  # left as it is, not redirected
 
 
 def test_an_orphaned_optimizer_raises_at_step_until_its_parameters_are_freed() -> None:
