@@ -32,25 +32,37 @@ def parameter_names(module: nn.Module) -> dict[int, str]:
     return names
 
 
-#: ``id(parameter)`` -> (its first qualified name, a weak reference to it), taken before ``setup``
-Before = dict[int, tuple[str, "weakref.ref[nn.Parameter]"]]
+#: ``id(parameter)`` -> (its first qualified name, the parameter), taken before ``setup`` and held
+#: only until :meth:`SetupLedger.record`
+Before = dict[int, tuple[str, nn.Parameter]]
+#: what the ledger keeps of it: the name, and a weak reference to an original that ``setup``
+#: replaced (None for one the model still holds)
+Originals = dict[int, tuple[str, "weakref.ref[nn.Parameter] | None"]]
 
 
 def parameters_before(module: nn.Module) -> Before:
-    """``module``'s parameters before ``setup`` replaces them: names, held weakly.
-
-    The weak reference tells a live original from a new object that got the id of a freed one
-    (Python reuses the ids of freed objects): only a live original may be matched by its id.
-    """
+    """``module``'s parameters before ``setup`` replaces them (pass them to :meth:`SetupLedger.record`)."""
     before: Before = {}
     for name, param in module.named_parameters(remove_duplicate=False):
-        before.setdefault(id(param), (_clean(name), weakref.ref(param)))
+        before.setdefault(id(param), (_clean(name), param))
     return before
 
 
-def _live_names(before: Before) -> dict[int, str]:
-    """The names of the originals in ``before`` that are still alive, by id."""
-    return {key: name for key, (name, ref) in before.items() if ref() is not None}
+def _live_names(originals: Originals, module: nn.Module) -> dict[int, str]:
+    """The names of the originals that are still alive, by id.
+
+    Python reuses the ids of freed objects: a parameter made after ``setup`` may have the id of an
+    original that ``setup`` replaced and freed, and must not be taken for it. An id counts only
+    while its original is alive: a replaced one through its weak reference, a kept one as a
+    parameter of the model. (Weak references are never taken on a model's own parameters: torch's
+    ``swap_tensors`` refuses a tensor that has one.)
+    """
+    current = {id(p) for p in module.parameters()}
+    return {
+        key: name
+        for key, (name, ref) in originals.items()
+        if (key in current if ref is None else ref() is not None)
+    }
 
 
 def _clean(name: str) -> str:
@@ -128,34 +140,45 @@ class SetupLedger:
     """The models set up so far, to find (and rebind) the model an optimizer belongs to.
 
     Each entry keeps the parameter names as they were before ``setup`` replaced the parameters, so
-    an optimizer built over the originals (even meta ones) is matched by name.
+    an optimizer built over the originals (even meta ones) is matched by name. Models are held
+    weakly: a model the user dropped is freed (its GPU memory too), and its entry with it.
     """
 
     def __init__(self) -> None:
-        self._setups: list[tuple[Before, nn.Module]] = []
-        self._forward: dict[int, nn.Module] = {}  # id(module) -> the module its forward calls
+        # (the originals of its parameters, the model, what its forward calls), the last two held weakly
+        self._setups: list[tuple[Originals, weakref.ref[nn.Module], weakref.ref[nn.Module]]] = []
 
     def record(self, before: Before, module: nn.Module, forward_module: nn.Module) -> None:
         """Remember ``module``, set up just now, with its parameters from before ``setup`` (:func:`parameters_before`)."""
-        self._setups.append((before, module))
-        self._forward[id(module)] = forward_module
+        current = {id(p) for p in module.parameters()}
+        originals: Originals = {
+            key: (name, None if key in current else weakref.ref(param)) for key, (name, param) in before.items()
+        }
+        self._setups = [entry for entry in self._setups if entry[1]() not in (None, module)]
+        self._setups.append((originals, weakref.ref(module), weakref.ref(forward_module)))
+
+    def _live(self) -> list[tuple[Originals, nn.Module, nn.Module | None]]:
+        """The entries whose model is alive, in order (dropping the others)."""
+        self._setups = [entry for entry in self._setups if entry[1]() is not None]
+        return [(before, module(), forward()) for before, module, forward in self._setups]  # type: ignore[misc]
 
     def modules(self) -> list[nn.Module]:
-        """The models set up so far, in order."""
-        return [module for _, module in self._setups]
+        """The models set up so far and still alive, in order."""
+        return [module for _, module, _ in self._live()]
 
     def forward_module(self, module: nn.Module) -> nn.Module | None:
-        """What ``setup`` made of ``module`` (None if it was not set up here)."""
-        if any(recorded is module for _, recorded in self._setups):
-            return self._forward[id(module)]
+        """What ``setup`` made of ``module`` (None if it was not set up here, or that is gone)."""
+        for _, recorded, forward in self._live():
+            if recorded is module:
+                return forward
         return None
 
     def check_owned(self, optimizers: tuple, module: nn.Module) -> None:
         """Raise unless each optimizer passed together with ``module`` holds some of its parameters."""
-        for before, recorded in self._setups:
+        for before, recorded, _ in self._live():
             if recorded is not module:
                 continue
-            known = _live_names(before).keys() | {id(p) for p in module.parameters()}
+            known = _live_names(before, module).keys() | {id(p) for p in module.parameters()}
             for optimizer in optimizers:
                 if (
                     isinstance(optimizer, Optimizer)
@@ -174,8 +197,8 @@ class SetupLedger:
         ``step()`` raises: see :class:`OrphanWatch`).
         """
         ids = {id(p) for p in optimizer_parameters(optimizer)}
-        for before, module in reversed(self._setups):
-            names = _live_names(before)  # a freed original's id may now be another parameter's
+        for before, module, _ in reversed(self._live()):
+            names = _live_names(before, module)  # a freed original's id may now be another parameter's
             if ids & names.keys() or ids & {id(p) for p in module.parameters()}:
                 names = {**names, **{id(p): _clean(n) for n, p in module.named_parameters()}}
                 rebind_optimizer(optimizer, names, module)

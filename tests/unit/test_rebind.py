@@ -147,11 +147,12 @@ def test_the_ledger_never_matches_a_new_parameter_by_the_id_of_a_freed_original(
     ledger = SetupLedger()
     model = _model()
     before = parameters_before(model)
-    _replace_parameters(model)  # the originals are freed
+    _replace_parameters(model)
     head = torch.nn.Parameter(torch.zeros(4, 4))
-    stale_key = next(iter(before))
-    before[id(head)] = before.pop(stale_key)  # as if `head` had got that freed original's id
+    name, _ = before.pop(next(iter(before)))
+    before[id(head)] = (name, torch.nn.Parameter(torch.zeros(4, 4)))  # an original with head's id...
     ledger.record(before, model, model)
+    del before  # ...freed after setup, as setup frees the originals it replaces
     optimizer = torch.optim.SGD([head], lr=0.1)
     ledger.rebind(optimizer)
     assert optimizer.param_groups[0]["params"][0] is head  # left as it is, not redirected
@@ -174,3 +175,22 @@ def test_an_orphaned_optimizer_raises_at_step_until_its_parameters_are_freed() -
         assert not watch.active  # the last replaced parameter is gone: the hook is removed
     finally:
         watch.close()
+
+
+@pytest.mark.parametrize("strategy", ["single", "fsdp"])
+def test_a_set_up_model_the_user_dropped_is_freed(strategy: str) -> None:
+    import gc
+    import weakref
+
+    from minifabric import Accelerator
+
+    acc = Accelerator(accelerator="cpu", strategy=strategy, devices=1)
+    acc.launch()
+    model = _model()
+    model, optimizer = acc.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    refs = [weakref.ref(model.module), weakref.ref(next(model.parameters()))]
+    del model, optimizer
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None]  # the accelerator keeps no set-up model alive
+    other = _model()
+    other, _ = acc.setup(other, torch.optim.SGD(other.parameters(), lr=0.1))  # and sets up the next
