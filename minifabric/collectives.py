@@ -178,6 +178,7 @@ def _reduce_in_place(
     """
     if world == 1:
         return tensor
+    _check_same_layout(tensor, world, device, group, "all_reduce")
     with torch.no_grad():
         work = tensor.to(device).contiguous()  # the backend's device, e.g. a CPU tensor under NCCL
         dist.all_reduce(work, op=_REDUCE_OPS[reduce_op], group=group)
@@ -201,14 +202,32 @@ def _dtype_names() -> list[str]:
     return sorted({str(v) for v in vars(torch).values() if isinstance(v, torch.dtype)})
 
 
-def _check_same_layout(tensor: torch.Tensor, world: int, device: torch.device, group: Any) -> None:
-    """Raise on every rank unless every rank gathers a tensor of this shape and dtype.
+def _shape_code(shape: torch.Size) -> int:
+    """One int for a shape (equal shapes give equal codes; unequal ones differ but for a ~2**-61 chance)."""
+    code = len(shape)
+    for size in shape:
+        code = (code * 1_000_003 + size + 1) % (2**61 - 1)
+    return code
 
-    Gloo aborts the process on buffers of different sizes, so the ranks first exchange a header of
-    one size everywhere (rank count and dtype), then their shapes padded to the largest rank count.
+
+def _check_same_layout(tensor: torch.Tensor, world: int, device: torch.device, group: Any, op: str) -> None:
+    """Raise on every rank unless every rank passes ``op`` a tensor of this shape and dtype.
+
+    Gloo aborts the process on buffers of different sizes (and NCCL may hang, or reduce bytes that
+    are not the same values), so the ranks first exchange one header of one size everywhere (rank
+    count, dtype, element count, a code of the shape): one small collective when the ranks agree.
+    Only when they do not are the shapes themselves gathered (padded to the largest rank count),
+    for the message.
     """
     names = _dtype_names()
-    headers = _gathered([tensor.dim(), names.index(str(tensor.dtype))], world, device, group)
+    headers = _gathered(
+        [tensor.dim(), names.index(str(tensor.dtype)), tensor.numel(), _shape_code(tensor.shape)],
+        world,
+        device,
+        group,
+    )
+    if all(h == headers[0] for h in headers):
+        return
     longest = max(h[0] for h in headers)
     padded = (
         _gathered(list(tensor.shape) + [-1] * (longest - tensor.dim()), world, device, group)
@@ -218,15 +237,14 @@ def _check_same_layout(tensor: torch.Tensor, world: int, device: torch.device, g
     shapes = [tuple(p[: h[0]]) for p, h in zip(padded, headers, strict=True)] if longest else [()] * world
     if any(s != tuple(tensor.shape) for s in shapes):
         raise ValueError(
-            f"all_gather needs the same shape on every rank; this rank has {tuple(tensor.shape)}, the ranks"
+            f"{op} needs the same shape on every rank; this rank has {tuple(tensor.shape)}, the ranks"
             f" have {shapes}. Pad the tensors to one shape first (and gather the true lengths separately)."
         )
     dtypes = [names[h[1]] for h in headers]
-    if any(d != str(tensor.dtype) for d in dtypes):
-        raise ValueError(
-            f"all_gather needs the same dtype on every rank; this rank has {tensor.dtype}, the ranks have"
-            f" {dtypes}. Convert first, e.g. `acc.all_gather(x.float())`."
-        )
+    raise ValueError(
+        f"{op} needs the same dtype on every rank; this rank has {tensor.dtype}, the ranks have"
+        f" {dtypes}. Convert first, e.g. `acc.{op}(x.float())`."
+    )
 
 
 def all_gather(
@@ -248,7 +266,7 @@ def all_gather(
         tensor = _as_tensor(value, device).contiguous()
         if world == 1:  # as Fabric: no new dimension with one process
             return tensor
-        _check_same_layout(tensor, world, device, group)
+        _check_same_layout(tensor, world, device, group, "all_gather")
         if sync_grads:
             return torch.stack(differentiable_all_gather(tensor, group))
         out = [torch.empty_like(tensor) for _ in range(world)]
