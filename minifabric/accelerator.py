@@ -597,6 +597,9 @@ class Accelerator:
                 on the group's ranks only.
             sync_grads: keep the result in the autograd graph (a contrastive loss over the whole
                 batch): the gradients of each rank's slice flow back to that rank's tensor.
+
+        Raises:
+            ValueError: on every rank, when the ranks pass tensors of different shapes or dtypes.
         """
         self._ensure_launched()
         return self._strategy.all_gather(data, group=group, sync_grads=sync_grads)
@@ -608,13 +611,15 @@ class Accelerator:
         back as new tensors). The arguments are Fabric's, in its order: pass ``reduce_op`` by name.
 
         Args:
-            data: a tensor, number, or a collection of them.
+            data: a tensor, number, or a collection of them; the same shapes and dtypes on every rank.
             group: a ``torch.distributed`` process group to reduce over (default: all ranks).
             reduce_op: the reduction, a name or a ``torch.distributed.ReduceOp`` (SUM, AVG, MAX, MIN).
 
         Raises:
             TypeError: ``"mean"`` of an integer tensor (the mean cannot be stored in it), or a
                 ``group`` that is not a process group (``acc.all_reduce(x, "sum")``).
+            ValueError: on every rank, when the ranks pass tensors of different shapes or dtypes
+                (the tensors are left unchanged).
         """
         self._ensure_launched()
         return self._strategy.all_reduce(data, reduce_op=reduce_op, group=group)
