@@ -193,3 +193,27 @@ def test_a_pickled_meta_parameter_loads_without_a_record() -> None:
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     assert loaded.is_meta and handle_of(loaded) is None and handle_of(model.weight) is not None
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda copied: nn.init.zeros_(copied[0].weight),
+        lambda copied: copied.load_state_dict(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).state_dict()),
+    ],
+    ids=["init", "load_state_dict"],
+)
+def test_a_write_after_the_block_to_a_copy_is_refused_at_setup(write: Callable[[nn.Module], None]) -> None:
+    """A copy's tensors are known by name only: a write to one after the block is lost on the meta device.
+
+    Setting it up to the original's init would silently drop the write, so ``setup`` refuses it,
+    as it does for the original's own tensors; an unwritten copy still sets up to eager values.
+    """
+    eager, model = _pair(lambda: nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)))
+    copied = copy.deepcopy(model)  # an EMA copy, made after the block
+    untouched = copy.deepcopy(model)
+    write(copied)
+    with pytest.raises(ValueError, match=r"'0\.weight' of Sequential .*changed in place after"):
+        recorded_places(copied)
+    materialize(untouched)
+    _equal(eager, untouched)
