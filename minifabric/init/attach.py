@@ -55,8 +55,10 @@ class Recording:
         return self
 
     def __reduce__(self) -> tuple[type, tuple]:
-        # a pickled tensor (`torch.save(param)`) is another object where it is loaded: it has no record
-        return (Recording, ())
+        # A pickled tensor (`torch.save(param)`) is another object where it is loaded: it has no
+        # record. Saved as an empty `set`, one of the few types `torch.load(weights_only=True)`
+        # accepts, so what is saved loads with torch's default and without minifabric.
+        return (set, ())
 
     def bind(self, t: torch.Tensor, handle: Handle) -> None:
         """Record that ``t`` has ``handle`` (``t`` then refers to this recording)."""
@@ -104,8 +106,9 @@ class ModuleRecord(dict):
 
 
 def recording_of(t: Any) -> Recording | None:
-    """The recording a tracked tensor refers to, if any."""
-    return t.__dict__.get(_TENSOR_ATTR) if isinstance(t, torch.Tensor) else None
+    """The recording a tracked tensor refers to, if any (a loaded copy of one refers to none)."""
+    recording = t.__dict__.get(_TENSOR_ATTR) if isinstance(t, torch.Tensor) else None
+    return recording if isinstance(recording, Recording) else None
 
 
 def handle_of(t: Any) -> Handle | None:

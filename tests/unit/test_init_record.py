@@ -217,3 +217,21 @@ def test_a_write_after_the_block_to_a_copy_is_refused_at_setup(write: Callable[[
         recorded_places(copied)
     materialize(untouched)
     _equal(eager, untouched)
+
+
+def test_a_saved_meta_tensor_loads_with_weights_only() -> None:
+    """``torch.load``'s default (``weights_only=True``) loads what was saved before ``setup``, as plain tensors."""
+    import io
+
+    with meta_init_context():
+        model = nn.Linear(3, 2)
+        model.register_buffer("scale", torch.empty(2))
+        model.scale.fill_(0.5)
+    for saved in (model.weight, model.scale, model.state_dict(keep_vars=True)):
+        buffer = io.BytesIO()
+        torch.save(saved, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=True)
+        for t in loaded.values() if isinstance(loaded, dict) else (loaded,):
+            assert t.is_meta and handle_of(t) is None and recording_of(t) is None
+    assert handle_of(model.weight) is not None and handle_of(model.scale) is not None
