@@ -235,3 +235,41 @@ def test_a_saved_meta_tensor_loads_with_weights_only() -> None:
         for t in loaded.values() if isinstance(loaded, dict) else (loaded,):
             assert t.is_meta and handle_of(t) is None and recording_of(t) is None
     assert handle_of(model.weight) is not None and handle_of(model.scale) is not None
+
+
+def test_blocks_in_two_threads_that_end_out_of_order_leave_no_hook_behind() -> None:
+    """Each thread's block sees only its own models; none is left recording after both ended."""
+    import threading
+
+    a_in, b_in, a_out, b_built = (threading.Event() for _ in range(4))
+    built: dict[str, nn.Module] = {}
+
+    def first() -> None:
+        with meta_init_context():
+            a_in.set()
+            b_in.wait(30)
+        a_out.set()  # ends first, while the other thread's block is still open
+
+    def second() -> None:
+        a_in.wait(30)
+        with meta_init_context():
+            b_in.set()
+            a_out.wait(30)
+            built["b"] = nn.Linear(3, 3)  # the other block has ended: this one still records
+        b_built.set()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert b_built.is_set()
+    assert built["b"].weight.is_meta and handle_of(built["b"].weight) is not None
+    assert nn.Linear(2, 2).weight.is_meta is False  # outside any block, after both ended
+    torch.manual_seed(0)
+    eager = nn.Linear(3, 3)
+    torch.manual_seed(0)
+    with meta_init_context():
+        meta = nn.Linear(3, 3)
+    materialize(meta)
+    _equal(eager, meta)
