@@ -26,11 +26,12 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from minifabric._torch import tensor_version
+from minifabric._torch import storage_key, tensor_version
 from minifabric.init.recipe import Handle
 
 _TENSOR_ATTR = "_minifabric_recording"
 _MODULE_RECORD_ATTR = "_minifabric_init_record"
+_UNBOUND_ATTR = "_minifabric_unbound_version"
 
 
 class Recording:
@@ -54,8 +55,10 @@ class Recording:
         return self
 
     def __reduce__(self) -> tuple[type, tuple]:
-        # a pickled tensor (`torch.save(param)`) is another object where it is loaded: it has no record
-        return (Recording, ())
+        # A pickled tensor (`torch.save(param)`) is another object where it is loaded: it has no
+        # record. Saved as an empty `set`, one of the few types `torch.load(weights_only=True)`
+        # accepts, so what is saved loads with torch's default and without minifabric.
+        return (set, ())
 
     def bind(self, t: torch.Tensor, handle: Handle) -> None:
         """Record that ``t`` has ``handle`` (``t`` then refers to this recording)."""
@@ -103,8 +106,9 @@ class ModuleRecord(dict):
 
 
 def recording_of(t: Any) -> Recording | None:
-    """The recording a tracked tensor refers to, if any."""
-    return t.__dict__.get(_TENSOR_ATTR) if isinstance(t, torch.Tensor) else None
+    """The recording a tracked tensor refers to, if any (a loaded copy of one refers to none)."""
+    recording = t.__dict__.get(_TENSOR_ATTR) if isinstance(t, torch.Tensor) else None
+    return recording if isinstance(recording, Recording) else None
 
 
 def handle_of(t: Any) -> Handle | None:
@@ -120,12 +124,29 @@ def sealed_version(t: torch.Tensor) -> int | None:
 
 
 def unbind(t: torch.Tensor) -> None:
-    """Forget ``t``'s handle (its data was replaced by another value)."""
+    """Forget ``t``'s handle (its data was replaced by another value).
+
+    A meta tensor keeps a note of its version counter now (no weak reference): another model that
+    still holds it finds its record by name, and :func:`written_unseen` tells a write since.
+    """
     recording = recording_of(t)
     if recording is not None:
         recording.handles.pop(t, None)
         recording.sealed.pop(t, None)
         del t.__dict__[_TENSOR_ATTR]
+        if t.is_meta:
+            t.__dict__[_UNBOUND_ATTR] = (storage_key(t), tensor_version(t))
+
+
+def written_unseen(t: torch.Tensor) -> bool:
+    """Whether ``t``, which has no handle (known by name only), was written since it was made or unbound.
+
+    A copy made after the block (``copy.deepcopy``) starts at version 0; a tensor unbound when
+    another model was materialized, at the version noted then (a plain tensor's copy carries the
+    note but not the storage it was made for).
+    """
+    storage, version = t.__dict__.get(_UNBOUND_ATTR, (None, 0))
+    return tensor_version(t) != (version if storage == storage_key(t) else 0)
 
 
 def module_record(module: nn.Module, create: bool = False) -> ModuleRecord | None:

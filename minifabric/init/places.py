@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from minifabric._torch import tensor_version
-from minifabric.init.attach import handle_of, module_record, sealed_version
+from minifabric.init.attach import handle_of, module_record, sealed_version, written_unseen
 from minifabric.init.recipe import Handle, Real, Ref
 from minifabric.init.replay import apply_chain
 
@@ -88,6 +88,9 @@ def recorded_places(module: nn.Module, rebuilt_by: str | None = None) -> list[Pl
                     )
                 sealed = sealed_version(t)
                 if sealed is not None and tensor_version(t) != sealed:
+                    raise ValueError(_changed_after(prefix, name, where))
+                if rebuilt_by is None and handle_of(t) is None and written_unseen(t):
+                    # known by name only (a `copy.deepcopy` made after the block), then written
                     raise ValueError(_changed_after(prefix, name, where))
                 if rebuilt_by is not None and handle_of(t) is None and tensor_version(t):
                     # made inside that code (its `fully_shard`, a `copy.deepcopy`), then written there

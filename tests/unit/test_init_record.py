@@ -193,3 +193,83 @@ def test_a_pickled_meta_parameter_loads_without_a_record() -> None:
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     assert loaded.is_meta and handle_of(loaded) is None and handle_of(model.weight) is not None
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda copied: nn.init.zeros_(copied[0].weight),
+        lambda copied: copied.load_state_dict(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).state_dict()),
+    ],
+    ids=["init", "load_state_dict"],
+)
+def test_a_write_after_the_block_to_a_copy_is_refused_at_setup(write: Callable[[nn.Module], None]) -> None:
+    """A copy's tensors are known by name only: a write to one after the block is lost on the meta device.
+
+    Setting it up to the original's init would silently drop the write, so ``setup`` refuses it,
+    as it does for the original's own tensors; an unwritten copy still sets up to eager values.
+    """
+    eager, model = _pair(lambda: nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)))
+    copied = copy.deepcopy(model)  # an EMA copy, made after the block
+    untouched = copy.deepcopy(model)
+    write(copied)
+    with pytest.raises(ValueError, match=r"'0\.weight' of Sequential .*changed in place after"):
+        recorded_places(copied)
+    materialize(untouched)
+    _equal(eager, untouched)
+
+
+def test_a_saved_meta_tensor_loads_with_weights_only() -> None:
+    """``torch.load``'s default (``weights_only=True``) loads what was saved before ``setup``, as plain tensors."""
+    import io
+
+    with meta_init_context():
+        model = nn.Linear(3, 2)
+        model.register_buffer("scale", torch.empty(2))
+        model.scale.fill_(0.5)
+    for saved in (model.weight, model.scale, model.state_dict(keep_vars=True)):
+        buffer = io.BytesIO()
+        torch.save(saved, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=True)
+        for t in loaded.values() if isinstance(loaded, dict) else (loaded,):
+            assert t.is_meta and handle_of(t) is None and recording_of(t) is None
+    assert handle_of(model.weight) is not None and handle_of(model.scale) is not None
+
+
+def test_blocks_in_two_threads_that_end_out_of_order_leave_no_hook_behind() -> None:
+    """Each thread's block sees only its own models; none is left recording after both ended."""
+    import threading
+
+    a_in, b_in, a_out, b_built = (threading.Event() for _ in range(4))
+    built: dict[str, nn.Module] = {}
+
+    def first() -> None:
+        with meta_init_context():
+            a_in.set()
+            b_in.wait(30)
+        a_out.set()  # ends first, while the other thread's block is still open
+
+    def second() -> None:
+        a_in.wait(30)
+        with meta_init_context():
+            b_in.set()
+            a_out.wait(30)
+            built["b"] = nn.Linear(3, 3)  # the other block has ended: this one still records
+        b_built.set()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert b_built.is_set()
+    assert built["b"].weight.is_meta and handle_of(built["b"].weight) is not None
+    assert nn.Linear(2, 2).weight.is_meta is False  # outside any block, after both ended
+    torch.manual_seed(0)
+    eager = nn.Linear(3, 3)
+    torch.manual_seed(0)
+    with meta_init_context():
+        meta = nn.Linear(3, 3)
+    materialize(meta)
+    _equal(eager, meta)
