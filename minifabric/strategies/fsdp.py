@@ -23,8 +23,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from torch.optim import Optimizer
 
 from minifabric._torch import forget_unscale
-from minifabric.environment import DEFAULT_TIMEOUT
 from minifabric.init import keeping_init_records
+from minifabric.runtime.environment import DEFAULT_TIMEOUT
 from minifabric.strategies.compile import (
     CompileOption,
     Compiler,
