@@ -21,6 +21,6 @@
    :func:`~minifabric.runtime.rank.end`); the heartbeat names a rank that stopped or ended silently.
 
 What is true of the whole process (which rank it is, whether it failed) lives in one record,
-reached through :func:`minifabric.runtime.rank.current`: the only module-level state of
-minifabric besides the process-wide switches of :mod:`minifabric.process`.
+reached through :func:`minifabric.runtime.rank.current`; besides the process-wide switches of
+:mod:`minifabric.process`, it is the one place of minifabric allowed module-level state.
 """

@@ -19,8 +19,9 @@ Signals, the exception hook and the exit belong to the whole process, and a proc
 process group at a time: what is true of the process (which rank it is, whether it failed, was
 interrupted or asked to stop, its heartbeat and hang watcher) is one record, ``Rank.process``,
 shared by every :class:`Rank` of the process. The signal handlers (:mod:`minifabric.runtime.signals`)
-reach both through one accessor, :func:`current`: the rank launched last in this process. This
-module holds the only module-level state of minifabric besides :mod:`minifabric.process`.
+reach both through one accessor, :func:`current`: the rank launched last in this process. Besides
+:mod:`minifabric.process`, this is the one module of minifabric allowed module-level state
+(``tests/unit/test_module_state.py``).
 """
 
 from __future__ import annotations
