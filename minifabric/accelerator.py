@@ -26,6 +26,7 @@ from minifabric.callbacks import as_list, call_hook, check_loggers, first_logger
 from minifabric.data import _WrappedDataLoader, setup_dataloader
 from minifabric.precision import Precision, PrecisionInput
 from minifabric.resolve import AcceleratorStr, StrategyStr, apply_cli_settings, launched_by_cli, resolve
+from minifabric.runtime.rank import end
 from minifabric.seed import seed_everything as _seed_everything
 from minifabric.strategies.rebind import OrphanWatch, SetupLedger, parameters_before
 from minifabric.strategies.strategy import Strategy
@@ -454,7 +455,7 @@ class Accelerator:
     def _checkpointer(self) -> Checkpointer:
         from minifabric.checkpoint.service import Checkpointer  # imports DTensor: only when checkpointing
 
-        return Checkpointer()
+        return Checkpointer(end_process=end)  # a background save that failed unseen ends the rank
 
     def save(
         self,

@@ -213,7 +213,7 @@ def _estimate(args: argparse.Namespace) -> None:
 
 
 #: one function per subcommand, in the order ``minifabric --help`` lists them
-_SUBCOMMANDS: list[Callable[[Any], None]] = [_add_run, _add_consolidate, _add_estimate]
+_SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (_add_run, _add_consolidate, _add_estimate)
 
 
 def _version() -> str:
@@ -265,9 +265,9 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
         f"--master-port={args.main_port}",
         *([f"--max-restarts={args.max_restarts}"] if args.max_restarts else []),
         # every rank runs the script through minifabric's runner: a non-zero sys.exit is a failure
-        # known at once (see minifabric/_run.py)
+        # known at once (see minifabric/runtime/run_script.py)
         "--module",
-        "minifabric._run",
+        "minifabric.runtime.run_script",
         args.script,
         *args.script_args,
     ]
@@ -288,7 +288,7 @@ def _run(args: argparse.Namespace) -> None:
         "num_nodes": str(args.num_nodes),
     }
     from minifabric import process
-    from minifabric.environment import available_cores
+    from minifabric.runtime.environment import available_cores
 
     # torchrun starts the ranks with this process's environment: the settings reach `Accelerator()` there
     values = {ENV_SETTINGS[name]: value for name, value in settings.items() if value is not None}

@@ -4,20 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import MappingProxyType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from minifabric._torch import differentiable_all_gather, tree_map
-from minifabric.signals import PeerFailed
+from minifabric.errors import PeerFailed
 
-_REDUCE_OPS = {
+_REDUCE_OPS = MappingProxyType({
     "sum": dist.ReduceOp.SUM,
     "mean": dist.ReduceOp.SUM,
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
-}
+})
 
 
 def _world_size() -> int:

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
+from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
@@ -27,10 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from minifabric._torch import fake_tensor_mode, fake_world, memory_tracker, swapping_module_params
-from minifabric.environment import LocalEnvironment
 from minifabric.estimate_args import Factory, model_factory, parse_bytes, resolve_parallelize_fn
 from minifabric.parameters import optimizer_parameters
 from minifabric.precision import Precision, precision_from_string
+from minifabric.runtime.environment import LocalEnvironment
 from minifabric.strategies.fsdp import FSDPStrategy
 from minifabric.strategies.fsdp_wrap import apply_activation_checkpointing, repeated_block_classes
 from minifabric.strategies.model_parallel import ModelParallelStrategy
@@ -38,22 +39,22 @@ from minifabric.strategies.strategy import Strategy
 
 StrategyName = Literal["single", "ddp", "fsdp", "model_parallel"]
 OptimizerName = Literal["adamw", "adam", "sgd"]
-OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+OPTIMIZERS: Mapping[str, Callable[..., torch.optim.Optimizer]] = MappingProxyType({
     "adamw": torch.optim.AdamW,
     "adam": torch.optim.Adam,
     "sgd": torch.optim.SGD,
-}
+})
 STRATEGIES = ("single", "ddp", "fsdp", "model_parallel")
 GiB = 2**30
 
 # the tracker's tensor kinds (plain and FSDP) -> the categories we report
-_CATEGORIES = {
+_CATEGORIES = MappingProxyType({
     "parameters": ("Parameter", "Buffer", "Sharded Param", "Unsharded Param"),
     "gradients": ("Gradient", "Sharded Grad", "Unsharded Grad"),
     "optimizer_state": ("Optstate", "OptState"),
     "activations": ("Activation", "Temp", "Inputs", "Other"),
     "communication": ("All Gather", "Reduce Scatter"),
-}
+})
 _SHARDED = ("Sharded Param", "Sharded Grad", "Optstate", "OptState")  # per rank: 1/world_size
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager
+from types import MappingProxyType
 from typing import Any, Literal, get_args
 
 import torch
@@ -201,8 +202,8 @@ class MixedPrecision(Precision):
             self.scaler.load_state_dict(state_dict["scaler"])
 
 
-_TRUE_DTYPES = {"64-true": torch.float64, "bf16-true": torch.bfloat16, "16-true": torch.float16}
-_MIXED_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+_TRUE_DTYPES = MappingProxyType({"64-true": torch.float64, "bf16-true": torch.bfloat16, "16-true": torch.float16})
+_MIXED_DTYPES = MappingProxyType({"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16})
 
 
 def precision_from_string(name: str, device_type: str) -> Precision:

@@ -13,10 +13,12 @@ This module is the bottom layer: it imports nothing from minifabric.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import FrameType
@@ -65,7 +67,7 @@ def set_signal_handler(signum: int, handler: Handler) -> Handler:
     """Install ``handler`` for ``signum`` (main thread only); return the handler it replaced.
 
     Why: Ctrl-C and preemption signals of a rank are turned into a clean end or a stop flag
-    (:mod:`minifabric.signals`); the caller keeps the returned handler to restore it.
+    (:mod:`minifabric.runtime.signals`); the caller keeps the returned handler to restore it.
     """
     return signal.signal(signum, handler)
 
@@ -135,7 +137,7 @@ def hard_exit(code: int) -> NoReturn:
     os._exit(code)
 
 
-def leave(code: int) -> NoReturn:
+def end(code: int) -> NoReturn:
     """End this process now with ``code`` after running the exit handlers, skipping the slow teardown.
 
     Why: a failing rank must be gone quickly so the launcher can end the others; tearing down an
@@ -146,6 +148,39 @@ def leave(code: int) -> NoReturn:
         atexit._run_exitfuncs()
     finally:
         hard_exit(code)
+
+
+#: environment variable: the pid of the process that started this rank (minifabric's launcher)
+PARENT_PID_VAR = "MINIFABRIC_PARENT_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In a rank started by minifabric's launcher: end as soon as the launching process is gone.
+
+    Why: a rank whose launcher died (killed, or ended by its own failure) would otherwise run on,
+    or wait in a collective until its timeout. On Linux the kernel sends SIGKILL when the parent
+    exits (``PR_SET_PDEATHSIG``); elsewhere a thread polls for it. Kept for the life of the process.
+    """
+    parent = os.environ.get(PARENT_PID_VAR)
+    if parent is None or int(parent) == os.getpid():
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        kernel_watch = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        kernel_watch = False
+    if os.getppid() != int(parent):  # the parent died before the watch was set
+        hard_exit(1)
+    if kernel_watch:
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(parent):
+            time.sleep(0.1)
+        hard_exit(1)
+
+    threading.Thread(target=watch, name="minifabric-parent-watch", daemon=True).start()
 
 
 def swap_class(obj: Any, cls: type) -> Callable[[], None]:

@@ -10,13 +10,15 @@ from __future__ import annotations
 import difflib
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 
-from minifabric.environment import LocalEnvironment, detect_cluster_environment, local_world_size
 from minifabric.precision import PRECISIONS, Precision, precision_from_string
+from minifabric.runtime.environment import LocalEnvironment, detect_cluster_environment, local_world_size
 from minifabric.strategies.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -29,8 +31,8 @@ STRATEGIES: tuple[str, ...] = get_args(StrategyStr)
 
 #: Fabric's other spellings, read with Fabric's meaning: name -> (ours, note or None). A note is
 #: shown (once, as a warning) where Fabric warns or where minifabric reads the name differently.
-ALIASES: dict[str, dict[str, tuple[str, str | None]]] = {
-    "precision": {
+ALIASES: Mapping[str, Mapping[str, tuple[str, str | None]]] = MappingProxyType({
+    "precision": MappingProxyType({
         "32": ("32-true", None),
         "64": ("64-true", None),
         "16": (
@@ -41,17 +43,17 @@ ALIASES: dict[str, dict[str, tuple[str, str | None]]] = {
             "bf16-mixed",
             'precision="bf16" is the historical spelling of "bf16-mixed"; write precision="bf16-mixed".',
         ),
-    },
-    "strategy": {
+    }),
+    "strategy": MappingProxyType({
         "ddp_spawn": ("ddp", None),  # acc.launch(fn) spawns the processes, as Fabric's ddp_spawn does
         "ddp_find_unused_parameters_true": ("ddp", None),  # built as DDPStrategy(find_unused_parameters=True)
-    },
-    "accelerator": {"gpu": ("cuda", None)},
-}
+    }),
+    "accelerator": MappingProxyType({"gpu": ("cuda", None)}),
+})
 
 #: names that minifabric refuses, with what to use instead
-_HINTS: dict[str, dict[str, str]] = {
-    "precision": {
+_HINTS: Mapping[str, Mapping[str, str]] = MappingProxyType({
+    "precision": MappingProxyType({
         **dict.fromkeys(("fp16", "float16", "half"), '"16-mixed" (or "16-true")'),
         **dict.fromkeys(("bfloat16", "bf-16", "bf16_mixed"), '"bf16-mixed" (or "bf16-true")'),
         **dict.fromkeys(("fp32", "float32", "float", "full"), '"32-true"'),
@@ -60,8 +62,8 @@ _HINTS: dict[str, dict[str, str]] = {
             ("transformer-engine", "transformer-engine-float16"),
             '"bf16-mixed" (Transformer Engine fp8 is not supported)',
         ),
-    },
-    "strategy": {
+    }),
+    "strategy": MappingProxyType({
         "deepspeed": '"fsdp" (FSDP2 shards parameters, gradients and optimizer state, like ZeRO stage 3)',
         "deepspeed_stage_1": "DDPStrategy(zero_redundancy=True) (ZeRO stage 1: optimizer state sharded)",
         "deepspeed_stage_2": 'FSDPStrategy(sharding_strategy="SHARD_GRAD_OP") (ZeRO stage 2)',
@@ -72,13 +74,13 @@ _HINTS: dict[str, dict[str, str]] = {
         "ddp_fork": '"ddp" with acc.launch(fn), fn defined in an importable module (processes are spawned, not forked)',
         "ddp_notebook": '"ddp" with acc.launch(fn), fn defined in an importable module (processes are spawned, not forked)',
         "fsdp1": '"fsdp" (FSDP2; FSDP1 keyword arguments are mapped by FSDPStrategy)',
-    },
-    "accelerator": {
+    }),
+    "accelerator": MappingProxyType({
         "gpus": '"cuda"',
         "mps": '"cpu" (Apple MPS is not supported)',
         "tpu": '"cpu" or "cuda" (TPUs are not supported)',
-    },
-}
+    }),
+})
 
 # where Fabric warns and reads "16-mixed" as "bf16-mixed"; here it means what it says
 _FP16_ON_CPU = (
@@ -87,20 +89,20 @@ _FP16_ON_CPU = (
 )
 
 #: environment variables through which ``minifabric run`` passes its flags to ``Accelerator()``
-ENV_SETTINGS = {
+ENV_SETTINGS = MappingProxyType({
     "accelerator": "MINIFABRIC_ACCELERATOR",
     "strategy": "MINIFABRIC_STRATEGY",
     "devices": "MINIFABRIC_DEVICES",
     "num_nodes": "MINIFABRIC_NUM_NODES",
     "precision": "MINIFABRIC_PRECISION",
-}
-DEFAULTS: dict[str, Any] = {
+})
+DEFAULTS: Mapping[str, Any] = MappingProxyType({
     "accelerator": "auto",
     "strategy": "auto",
     "devices": "auto",
     "num_nodes": 1,
     "precision": "32-true",
-}
+})
 
 
 @dataclass
@@ -157,12 +159,12 @@ def _same(name: str, a: Any, b: Any) -> bool:
 
 
 #: the canonical values of each string argument
-CHOICES: dict[str, tuple[str, ...]] = {
+CHOICES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "accelerator": ACCELERATORS,
     "strategy": STRATEGIES,
     "precision": PRECISIONS,
-}
-_EXAMPLES = {"accelerator": '"cpu"', "strategy": '"ddp"', "precision": '"bf16-mixed"'}
+})
+_EXAMPLES = MappingProxyType({"accelerator": '"cpu"', "strategy": '"ddp"', "precision": '"bf16-mixed"'})
 
 
 def canonical(name: str, value: Any, *, warn: bool = True) -> str:

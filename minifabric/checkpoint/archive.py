@@ -17,12 +17,13 @@ import sys
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
 # The storage classes that ``torch.save`` names for a plain tensor, by dtype.
-_STORAGE_DTYPES = {
+_STORAGE_DTYPES = MappingProxyType({
     "DoubleStorage": torch.float64,
     "FloatStorage": torch.float32,
     "HalfStorage": torch.float16,
@@ -35,7 +36,7 @@ _STORAGE_DTYPES = {
     "BoolStorage": torch.bool,
     "ComplexFloatStorage": torch.complex64,
     "ComplexDoubleStorage": torch.complex128,
-}
+})
 
 
 @dataclass(frozen=True)

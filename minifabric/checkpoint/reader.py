@@ -42,8 +42,8 @@ from minifabric.checkpoint.errors import CheckpointError
 from minifabric.checkpoint.tensors import shard_like
 
 # What DCP's `.metadata` pickle may name; anything else is refused before it can run.
-_METADATA_MODULES = {"torch.distributed.checkpoint.metadata"}
-_METADATA_GLOBALS = {
+_METADATA_MODULES = frozenset({"torch.distributed.checkpoint.metadata"})
+_METADATA_GLOBALS = frozenset({
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
@@ -51,7 +51,7 @@ _METADATA_GLOBALS = {
     ("pathlib", "WindowsPath"),
     ("pathlib", "PurePosixPath"),
     ("pathlib", "PureWindowsPath"),
-}
+})
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from minifabric import process, signals
+from minifabric import process
 from minifabric.checkpoint import load as loading
 from minifabric.checkpoint import raw
 from minifabric.checkpoint import save as saving
@@ -82,9 +82,14 @@ class Checkpointer:
     Every stage of a save or load ends with an agreement between the ranks (:meth:`Comm.agreed`):
     an exception on any rank makes every rank raise the same :class:`CheckpointError`, the staging
     folder is removed, and nothing is committed or applied.
+
+    Args:
+        end_process: ends this process with the given exit status (marked as failed) after the other exit
+            handlers: the report of a background save that failed unseen. The facade passes the runtime's.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, end_process: Callable[[int], Any] = process.end) -> None:
+        self._end_process = end_process
         self._comm: Comm | None = None
         self._pending: SaveHandle | None = None
         # CPU copies of the last asynchronous save, reused by the next one (one model copy in RAM).
@@ -179,7 +184,7 @@ class Checkpointer:
         except CheckpointError as err:
             rank = self.comm.rank
             process.write_stderr(f"[minifabric] rank {rank}: the asynchronous save did not complete: {err}\n")
-            signals.leave(1)
+            self._end_process(1)
 
     def load(
         self, path: Path, state: dict[str, Any], strict: bool = True, weights_only: bool | None = None

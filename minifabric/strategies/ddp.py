@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from minifabric.environment import DEFAULT_TIMEOUT, default_backend
+from minifabric.runtime.environment import DEFAULT_TIMEOUT, default_backend
 from minifabric.strategies.compile import CompileOption
 from minifabric.strategies.strategy import Strategy
 
@@ -160,7 +160,7 @@ def _check_ddp_kwargs(ddp_kwargs: dict[str, Any]) -> None:
         )
 
 
-_BF16_HOOKS = {"bf16_compress_hook", "bf16_compress_wrapper", "bf16_compress_wrapper_hook"}
+_BF16_HOOKS = frozenset({"bf16_compress_hook", "bf16_compress_wrapper", "bf16_compress_wrapper_hook"})
 
 
 def _give_post_local_sgd_a_subgroup(comm_state: Any, processes_per_node: int) -> None:

@@ -22,8 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.optim import Optimizer
 
-from minifabric.environment import DEFAULT_TIMEOUT
 from minifabric.init import keeping_init_records
+from minifabric.runtime.environment import DEFAULT_TIMEOUT
 from minifabric.strategies.compile import (
     CompileOption,
     Compiler,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -19,21 +20,21 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 #: FSDP1 options with no FSDP2 knob: accepted, named in one warning, no effect
-IGNORED = {
+IGNORED = MappingProxyType({
     "limit_all_gathers": "FSDP2 limits in-flight all-gathers by itself",
     "use_orig_params": "FSDP2 always trains the original parameters (as DTensors)",
     "forward_prefetch": "FSDP2 overlaps all-gathers with compute by itself; for explicit prefetching call"
     " `block.set_modules_to_forward_prefetch([next_block])` after setup",
     "backward_prefetch": "FSDP2 prefetches the next block's all-gather in backward by itself",
     "device_id": "the device comes from the Accelerator",
-}
+})
 #: FSDP1 options that cannot be honoured: raise with what to do instead
-REFUSED = {
+REFUSED = MappingProxyType({
     "param_init_fn": "build the model in `acc.init_module(empty_init=True)`; `setup` materializes and initializes it",
     "ignored_modules": "keep such modules outside the model passed to `acc.setup`",
     "ignored_states": "keep such parameters outside the model passed to `acc.setup`",
     "process_group": 'sharding spans every rank; use sharding_strategy="HYBRID_SHARD" to shard within nodes',
-}
+})
 
 
 def _classes_of_policy(policy: Any, name: str) -> Any:

@@ -31,8 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from minifabric._torch import fsdp_policy, unresolved_plan_keys
-from minifabric.environment import DEFAULT_TIMEOUT
 from minifabric.init import following_init_records, recorded_places
+from minifabric.runtime.environment import DEFAULT_TIMEOUT
 from minifabric.strategies.compile import (
     Compiler,
     compile_children_in_place,

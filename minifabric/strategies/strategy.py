@@ -24,9 +24,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from minifabric import collectives, process, signals
+from minifabric import collectives, process
 from minifabric._torch import return_freed_memory
-from minifabric.environment import DEFAULT_TIMEOUT, LocalEnvironment, default_backend, share_cpu_cores
 from minifabric.init import (
     InitMismatch,
     materialize,
@@ -35,10 +34,11 @@ from minifabric.init import (
     self_check,
     wants_check,
 )
-from minifabric.launcher import JoinLauncher, Launcher, LocalLauncher
-from minifabric.lifecycle import Lifecycle, collective_timeout
 from minifabric.parameters import optimizer_parameters
 from minifabric.precision import Precision
+from minifabric.runtime.environment import DEFAULT_TIMEOUT, LocalEnvironment, default_backend, share_cpu_cores
+from minifabric.runtime.launcher import JoinLauncher, Launcher, LocalLauncher
+from minifabric.runtime.rank import Rank, collective_timeout, ending_badly
 from minifabric.strategies.compile import (
     CompileOption,
     Compiler,
@@ -78,7 +78,8 @@ class Strategy:
         self.compile = compile
         self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         self._timeout_given = timeout is not DEFAULT_TIMEOUT
-        self.lifecycle = Lifecycle()
+        #: this process's life as a rank of the run: joining, should_stop, leaving (:mod:`minifabric.runtime`)
+        self.rank = Rank()
         self.process_group_backend = process_group_backend
         self.precision: Precision = Precision()
         self.environment: ClusterEnvironment | LocalEnvironment = LocalEnvironment()
@@ -166,7 +167,7 @@ class Strategy:
         if self.root_device.type == "cpu" and self.world_size > 1:
             share_cpu_cores(self.num_processes, warn=self.is_global_zero)
             return_freed_memory()
-        self.lifecycle.prepare(self.global_rank, self.world_size)
+        self.rank.prepare(self.global_rank, self.world_size)
         if self.world_size > 1:
             self._init_process_group()
 
@@ -175,7 +176,7 @@ class Strategy:
             return
         backend = self.process_group_backend or default_backend(self.root_device)
         self.timeout = collective_timeout(self.timeout, self._timeout_given)
-        self.lifecycle.join(self.environment, backend, self.timeout)
+        self.rank.join(self.environment, backend, self.timeout)
         process.at_exit(self._teardown_at_exit)
 
     def teardown(self) -> None:
@@ -184,19 +185,19 @@ class Strategy:
         An asynchronous save still writing has finished by then: its thread is not a daemon, so the
         interpreter waits for it before running this at exit.
         """
-        self.lifecycle.leave()
+        self.rank.leave()
 
     def _teardown_at_exit(self) -> None:
         # After an error, an interrupt or a non-zero exit the other ranks may never reach a
         # barrier: leave at once (the launcher ends them). Otherwise leave together, which also
         # avoids an abort at exit seen with gloo after DTensor collectives.
-        if not signals.ending_badly():
+        if not ending_badly():
             self.teardown()
 
     @property
     def should_stop(self) -> bool:
         """Whether any rank got SIGTERM/SIGUSR1 or Ray Train reports a preemption; a collective."""
-        return self.lifecycle.should_stop()
+        return self.rank.should_stop()
 
     # ---- modules and optimizers --------------------------------------------------------------
 
@@ -317,7 +318,7 @@ class Strategy:
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
         """Step through the precision plugin (gradient scaler); local: no communication of its own."""
         result = self.precision.optimizer_step(optimizer, **kwargs)
-        self.lifecycle.step_done()
+        self.rank.step_done()
         return result
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
@@ -363,7 +364,7 @@ class Strategy:
 
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` is True on any rank (collective; a CPU all-reduce whatever the device)."""
-        return self.lifecycle.any_rank(flag)
+        return self.rank.any_rank(flag)
 
     def rank_zero_first(self, local: bool = False) -> ContextManager:
         """Rank 0 (of the node if ``local``) runs the body first, then the others."""
@@ -398,11 +399,11 @@ class Strategy:
     def on_save(self, path: Path, handle: Any) -> None:
         """A checkpoint was saved to ``path`` (committed now, or once ``handle`` finishes): the failure
         report of this rank names the last committed one."""
-        self.lifecycle.saving(path, handle)
+        self.rank.saving(path, handle)
 
     def on_load(self, path: Path) -> None:
         """The run resumed from the checkpoint at ``path``."""
-        self.lifecycle.loaded(path)
+        self.rank.loaded(path)
 
     @property
     def writes_checkpoints(self) -> bool:

@@ -44,7 +44,7 @@ def _train_on_lightning(fabric, model):
     """Lightning's spawned ranks exit with their gloo group alive, and torch then sometimes aborts at
     interpreter exit ("terminate called without an active exception"); minifabric leaves its group
     (collect, barrier, destroy) when the launched function returns, so the reference does the same."""
-    from minifabric.environment import destroy_process_group
+    from minifabric.runtime.environment import destroy_process_group
 
     result = _train(fabric, model)
     destroy_process_group()

@@ -67,7 +67,8 @@ def _loop(config: dict) -> None:
     import ray.train
     import torch
 
-    from minifabric import Accelerator, signals
+    from minifabric import Accelerator
+    from minifabric.runtime.rank import stop_requested
 
     acc = Accelerator(accelerator="cpu")
     acc.launch()
@@ -91,7 +92,7 @@ def _loop(config: dict) -> None:
             info = ray.train.get_preemption_info()  # called once more on every rank: the counts still match
             ranks = ",".join(map(str, info.preempted_ranks)) if info is not None else "none"
             weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-            report = f"{step} {ranks} {signals.stop_requested()} {weights.numpy().tobytes().hex()}"
+            report = f"{step} {ranks} {stop_requested()} {weights.numpy().tobytes().hex()}"
             break
     (Path(config["out"]) / f"rank-{acc.global_rank}").write_text(report)
     (Path(config["out"]) / f"read-ms-{acc.global_rank}").write_text(f"{1000 * read_seconds / step:.2f}")

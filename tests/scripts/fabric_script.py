@@ -98,7 +98,7 @@ def main() -> None:
         # interpreter exit ("terminate called without an active exception"). Destroying it right after
         # a collective can deadlock instead (gloo's worker thread needs the GIL to free the finished
         # work). The reference leaves the group the way minifabric does: collect, barrier, destroy.
-        from minifabric.environment import destroy_process_group
+        from minifabric.runtime.environment import destroy_process_group
 
         destroy_process_group()
 

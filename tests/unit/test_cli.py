@@ -28,7 +28,7 @@ def test_run_builds_the_torchrun_command_line(torchrun):
         "--master-addr=127.0.0.1",
         "--master-port=29611",
         "--module",
-        "minifabric._run",
+        "minifabric.runtime.run_script",
         "train.py",
         "--lr",
         "0.1",

@@ -6,9 +6,15 @@ import pytest
 from lightning_fabric.plugins.environments import KubeflowEnvironment
 
 from minifabric import Accelerator
-from minifabric.environment import LocalEnvironment, detect_cluster_environment, world_of
-from minifabric.launcher import JoinLauncher
-from minifabric.rendezvous import JOIN_TIMEOUT_VAR, LOCAL_JOIN_SECONDS, World, check_world, join_timeout
+from minifabric.runtime.environment import LocalEnvironment, detect_cluster_environment, world_of
+from minifabric.runtime.launcher import JoinLauncher
+from minifabric.runtime.rendezvous import (
+    JOIN_TIMEOUT_VAR,
+    LOCAL_JOIN_SECONDS,
+    World,
+    check_world,
+    join_timeout,
+)
 
 
 def _setenv(monkeypatch, **values: str) -> None:

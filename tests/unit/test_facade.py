@@ -88,9 +88,9 @@ def test_the_facade_imports_only_the_checkpoint_service():
                 assert node.module == "minifabric.checkpoint.service", ast.unparse(node)
 
 
-def test_the_facade_does_not_reach_through_the_strategy_to_its_lifecycle():
+def test_the_facade_does_not_reach_through_the_strategy_to_its_rank():
     for node in ast.walk(_tree()):
-        if isinstance(node, ast.Attribute) and node.attr == "lifecycle":
+        if isinstance(node, ast.Attribute) and node.attr == "rank":
             raise AssertionError(
                 f"accelerator.py reads `{ast.unparse(node)}`: give the strategy a hook instead"
             )

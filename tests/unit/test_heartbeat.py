@@ -11,8 +11,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from minifabric import heartbeat, launcher
-from minifabric.liveness import BoundedStore, StoreSilent, is_stopped, pid_ended, progress
+from minifabric.runtime import heartbeat, launcher
+from minifabric.runtime.liveness import BoundedStore, StoreSilent, is_stopped, pid_ended, progress
 from tests.helpers import free_port
 
 

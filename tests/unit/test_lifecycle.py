@@ -7,8 +7,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from minifabric.environment import available_cores, share_cpu_cores
-from minifabric.lifecycle import collective_timeout
+from minifabric.runtime.environment import available_cores, share_cpu_cores
+from minifabric.runtime.rank import collective_timeout
 from minifabric.seed import seed_everything
 
 

@@ -13,10 +13,10 @@ from tests.helpers import PYTHON, command_env
 _OUTSIDE_RAY = """
 import sys
 from minifabric import Accelerator
-from minifabric.ray_train import preemption_reader
+from minifabric.runtime.ray import preemption_reader
 acc = Accelerator(accelerator="cpu")
 acc.launch()
-print("STOP", acc.should_stop, acc.should_stop, acc.strategy.lifecycle._preempted)
+print("STOP", acc.should_stop, acc.should_stop, acc.strategy.rank._preempted)
 print("READER", preemption_reader())
 print("RAY", sorted(m for m in sys.modules if m == "ray" or m.startswith("ray.")))
 """
@@ -24,7 +24,7 @@ print("RAY", sorted(m for m in sys.modules if m == "ray" or m.startswith("ray.")
 _RAY_DRIVER = """
 import ray.train
 from minifabric import Accelerator
-from minifabric.ray_train import preemption_reader
+from minifabric.runtime.ray import preemption_reader
 acc = Accelerator(accelerator="cpu")
 acc.launch()
 print("V2", hasattr(ray.train, "get_preemption_info"))

@@ -11,10 +11,10 @@ from lightning_fabric.plugins.environments import (
 )
 
 from minifabric import Accelerator, DDPStrategy, FSDPStrategy, SingleDeviceStrategy
-from minifabric.environment import LocalEnvironment, detect_cluster_environment
-from minifabric.launcher import JoinLauncher, LocalLauncher
 from minifabric.precision import PRECISIONS
 from minifabric.resolve import ACCELERATORS, STRATEGIES, canonical
+from minifabric.runtime.environment import LocalEnvironment, detect_cluster_environment
+from minifabric.runtime.launcher import JoinLauncher, LocalLauncher
 
 _CLUSTER_VARS = (
     "TORCHELASTIC_RUN_ID",

@@ -12,6 +12,7 @@ import copy
 import os
 from collections.abc import Callable
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -32,11 +33,11 @@ from minifabric.checkpoint.hf.files import (
 from minifabric.checkpoint.read import Opened, open_checkpoint, read_tensors
 from minifabric.checkpoint.ties import tied_groups
 
-_DTYPES = {
+_DTYPES = MappingProxyType({
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
     "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
     "fp64": torch.float64, "float64": torch.float64,
-}  # fmt: skip
+})  # fmt: skip
 
 
 def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:

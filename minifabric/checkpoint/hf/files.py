@@ -16,10 +16,11 @@ import json
 import math
 import re
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 _MAX_HEADER = 100 * 1024 * 1024
 
-DTYPES: dict[str, torch.dtype] = {
+DTYPES: Mapping[str, torch.dtype] = MappingProxyType({
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -45,8 +46,8 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
-}
-CODES = {dtype: code for code, dtype in DTYPES.items()}
+})
+CODES = MappingProxyType({dtype: code for code, dtype in DTYPES.items()})
 
 
 @dataclass(frozen=True)

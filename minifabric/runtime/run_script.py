@@ -1,4 +1,4 @@
-"""Runs a training script as one rank: ``python -m minifabric._run script.py [args]`` (or ``-m module``).
+"""Runs a training script as one rank: ``python -m minifabric.runtime.run_script script.py [args]`` (or ``-m module``).
 
 The launchers start every rank through this runner instead of ``python script.py`` so that a rank
 that ends with ``sys.exit(code)`` (or ``raise SystemExit(code)``) with a non-zero code is known as
@@ -12,15 +12,16 @@ import os
 import runpy
 import sys
 
-from minifabric import signals
+from minifabric import process
+from minifabric.runtime import rank as this_rank
 
 
 def main() -> None:
     """Run the script named on the command line as ``__main__``."""
     if len(sys.argv) < 2:
-        raise SystemExit("usage: python -m minifabric._run script.py [args] | -m module [args]")
+        raise SystemExit("usage: python -m minifabric.runtime.run_script script.py [args] | -m module [args]")
     rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK"))
-    signals.install(rank=int(rank) if rank is not None else None)
+    this_rank.install_signals(int(rank) if rank is not None else None)
     try:
         if sys.argv[1] == "-m":
             module = sys.argv[2]
@@ -34,8 +35,8 @@ def main() -> None:
         if end.code in (None, 0):
             raise
         if not isinstance(end.code, int):
-            signals.write_stderr(f"{end.code}\n")  # sys.exit("message"), as Python prints it
-        signals.leave(end.code if isinstance(end.code, int) else 1)
+            process.write_stderr(f"{end.code}\n")  # sys.exit("message"), as Python prints it
+        this_rank.end(end.code if isinstance(end.code, int) else 1)
 
 
 if __name__ == "__main__":

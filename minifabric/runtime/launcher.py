@@ -16,14 +16,12 @@ under SLURM use ``srun --kill-on-bad-exit=1``.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import pickle
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -31,13 +29,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from minifabric import process, signals
-from minifabric.environment import find_free_port
-from minifabric.heartbeat import HOST
+from minifabric import process
+from minifabric.runtime import rank as this_rank
+from minifabric.runtime import signals
+from minifabric.runtime.environment import find_free_port
+from minifabric.runtime.heartbeat import HOST
 
-_PARENT_PID_VAR = "MINIFABRIC_PARENT_PID"
 _POLL_SECONDS = 0.05
-_PR_SET_PDEATHSIG = 1
 
 
 class Launcher(ABC):
@@ -93,7 +91,7 @@ def _world_envs(num_processes: int, main_address: str) -> list[dict[str, str]]:
         "WORLD_SIZE": str(num_processes),
         "LOCAL_WORLD_SIZE": str(num_processes),
         "NODE_RANK": "0",
-        _PARENT_PID_VAR: str(os.getpid()),
+        process.PARENT_PID_VAR: str(os.getpid()),
     }
     return [{**world, "LOCAL_RANK": str(rank)} for rank in range(num_processes)]
 
@@ -101,7 +99,7 @@ def _world_envs(num_processes: int, main_address: str) -> list[dict[str, str]]:
 def _script_command() -> list[str]:
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
-    runner = [sys.executable, "-m", "minifabric._run"]
+    runner = [sys.executable, "-m", "minifabric.runtime.run_script"]
     if spec is not None and spec.name not in ("__main__", None):
         module = spec.name[: -len(".__main__")] if spec.name.endswith(".__main__") else spec.name
         return [*runner, "-m", module, *sys.argv[1:]]
@@ -119,7 +117,7 @@ def _script_command() -> list[str]:
 
 
 class _ScriptRank:
-    """One rank started as ``python -m minifabric._run script.py ...``."""
+    """One rank started as ``python -m minifabric.runtime.run_script script.py ...``."""
 
     def __init__(self, command: list[str], env: dict[str, str]) -> None:
         self.process = subprocess.Popen(command, env={**os.environ, **env})
@@ -183,7 +181,7 @@ class _Supervisor:
         """Print which ranks are about to be killed and why (whatever kills a rank says why first)."""
         running = [rank for rank, proc in self.ranks.items() if proc.exit_code() is None]
         if running:
-            signals.write_stderr(f"[minifabric] {HOST}: killing rank(s) {running}: {why}.\n")
+            process.write_stderr(f"[minifabric] {HOST}: killing rank(s) {running}: {why}.\n")
 
     def _kill_all(self, why: str = "") -> None:
         """SIGKILL every rank still running, after saying ``why`` (unless said already), and wait for them."""
@@ -235,7 +233,7 @@ class _Supervisor:
                 failed = [(rank, code) for rank, code in codes.items() if code not in (None, 0)]
                 if failed:
                     rank, code = failed[0]
-                    signals.write_stderr(
+                    process.write_stderr(
                         f"[minifabric] {HOST}: rank {rank} {_describe_exit(code)}: stopping every rank.\n"
                     )
                     self._kill_all()
@@ -245,56 +243,26 @@ class _Supervisor:
             time.sleep(_POLL_SECONDS)
 
 
-# ---- in each rank ------------------------------------------------------------------------------
-
-
-def die_with_parent() -> None:
-    """In a rank started by :class:`LocalLauncher`: end as soon as the launching process is gone.
-
-    On Linux the kernel sends SIGKILL when the parent exits (``PR_SET_PDEATHSIG``); elsewhere a
-    thread polls for it.
-    """
-    parent = os.environ.get(_PARENT_PID_VAR)
-    if parent is None or int(parent) == os.getpid():
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        kernel_watch = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        kernel_watch = False
-    if os.getppid() != int(parent):  # the parent died before the watch was set
-        process.hard_exit(1)
-    if kernel_watch:
-        return
-
-    def watch() -> None:
-        while os.getppid() == int(parent):
-            time.sleep(0.1)
-        process.hard_exit(1)
-
-    threading.Thread(target=watch, name="minifabric-parent-watch", daemon=True).start()
-
-
 # ---- launch(fn) --------------------------------------------------------------------------------
 
 
 def _spawn_entry(env: dict[str, str], payload: bytes, result_path: str) -> None:
     process.become_rank(env)
     join, function, args = pickle.loads(payload)
-    signals.install(rank=int(env["LOCAL_RANK"]))
-    die_with_parent()
+    this_rank.install_signals(int(env["LOCAL_RANK"]))
+    process.die_with_parent()
     try:
         join()
         result = function(*args)
     except SystemExit as end:
         if end.code in (None, 0):
             raise
-        signals.leave(end.code if isinstance(end.code, int) else 1)
+        this_rank.end(end.code if isinstance(end.code, int) else 1)
     except BaseException:
         # report it as an uncaught exception in a script is (multiprocessing would print its own
         # traceback instead); the hook ends the process
         sys.excepthook(*sys.exc_info())  # type: ignore[arg-type]
-        signals.leave(1)
+        this_rank.end(1)
     if env["LOCAL_RANK"] == "0":
         # a file, not a pipe: the result may be large and is read only after every rank has ended
         with open(result_path, "wb") as f:

@@ -40,7 +40,14 @@ from collections.abc import Callable
 from typing import Any
 
 from minifabric import process
-from minifabric.liveness import BoundedStore, StoreSilent, is_stopped, own_connection, pid_ended, progress
+from minifabric.runtime.liveness import (
+    BoundedStore,
+    StoreSilent,
+    is_stopped,
+    own_connection,
+    pid_ended,
+    progress,
+)
 
 #: environment variable: seconds without a heartbeat before a rank is declared silent (0: off)
 HEARTBEAT_VAR = "MINIFABRIC_HEARTBEAT_TIMEOUT"
@@ -84,10 +91,20 @@ class Heartbeat:
         world_size: the number of ranks.
         timeout: the heartbeat timeout in seconds.
         store_host: the rank whose process hosts the store (None: another process, e.g. torchrun's agent).
+        quiet: while it returns True, this rank is ending itself and says why: silent peers are not reported.
     """
 
-    def __init__(self, store: Any, rank: int, world_size: int, timeout: float, store_host: int | None = 0) -> None:
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world_size: int,
+        timeout: float,
+        store_host: int | None = 0,
+        quiet: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.rank, self.world_size, self.timeout, self.store_host = rank, world_size, timeout, store_host
+        self.quiet = quiet
         self.store = BoundedStore(store)
         self.interval = min(1.0, timeout / 10)
         #: a stalled peer of this host at work is beaten for after this long (well inside the timeout)
@@ -343,7 +360,7 @@ class Heartbeat:
 
     def _end(self, cause: str, kill: int = 0) -> None:
         """Print why, kill the silent peer ``kill`` if given (after saying so), post the cause, end this rank."""
-        if any(condition() for condition in _quiet):
+        if self.quiet():
             return  # this rank is ending itself and says why (the launcher ends the rest)
         if kill:
             self._dead = cause  # a collective that fails as the peer dies names the same cause
@@ -357,72 +374,43 @@ class Heartbeat:
         process.hard_exit(1)
 
 
-_heartbeat: Heartbeat | None = None
-_quiet: list[Callable[[], bool]] = []
+    def culprit_within(self, wait: float) -> str | None:
+        """Which other rank ended the run, as far as this rank can tell within ``wait`` seconds (None if it cannot).
+
+        A connection to a rank closes while the kernel is still taking that process down, a moment
+        before it shows as ended: ``wait`` covers that moment.
+        """
+        deadline = time.monotonic() + wait
+        while not self.stopped.is_set():
+            found = self.culprit()
+            if found is not None or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.01)  # often enough to read a dead peer's status before its parent reaps it
+        return None
+
+    def let_local_peers_end(self, timeout: float) -> None:
+        """Wait, at most ``timeout`` seconds, until the other ranks on this host have ended.
+
+        Rank 0 of a local launch holds the run's store: a rank still posting to it when rank 0 exits
+        gets torch's connection-reset warning, with a C++ stack, on its stderr. Ranks on other hosts
+        are not waited for.
+        """
+        pids = [pid for host, pid in self.peers.values() if host == HOST and pid != os.getpid()]
+        deadline = time.monotonic() + timeout
+        while any(not pid_ended(pid)[0] for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
-def quiet_while(condition: Callable[[], bool]) -> None:
-    """Do not report peers while ``condition()`` holds (this rank is ending itself: an error, Ctrl-C)."""
-    _quiet[:] = [condition]
-
-
-def start(store: Any, rank: int, world_size: int, store_host: int | None = 0) -> Heartbeat | None:
-    """Start this process's heartbeat (once; not when ``MINIFABRIC_HEARTBEAT_TIMEOUT=0``).
+def start(
+    store: Any, rank: int, world_size: int, store_host: int | None, quiet: Callable[[], bool]
+) -> Heartbeat | None:
+    """Start a rank's heartbeat, on a connection of its own to ``store`` (None when ``MINIFABRIC_HEARTBEAT_TIMEOUT=0``).
 
     ``store_host`` is the rank whose process hosts ``store`` (None: another process, e.g. torchrun's agent).
     """
-    global _heartbeat
     timeout = heartbeat_timeout()
-    if _heartbeat is None and timeout > 0 and world_size > 1:
-        _heartbeat = Heartbeat(own_connection(store), rank, world_size, timeout, store_host)
-        _heartbeat.start()
-    return _heartbeat
-
-
-def stop() -> None:
-    """Stop the heartbeat (before the process group goes away on a normal exit)."""
-    global _heartbeat
-    if _heartbeat is not None:
-        _heartbeat.stop()
-        _heartbeat = None
-
-
-def store_gone() -> bool:
-    """Whether the heartbeat saw the run's store go (its host left or ended): calling it would only warn."""
-    return _heartbeat is not None and _heartbeat.gone
-
-
-def post_fault(text: str) -> None:
-    """Post this rank's one-line cause of failure for the other ranks (no-op without a heartbeat)."""
-    if _heartbeat is not None:
-        _heartbeat.post_fault(text)
-
-
-def let_local_peers_end(timeout: float) -> None:
-    """Wait, at most ``timeout`` seconds, until the other ranks on this host have ended.
-
-    Rank 0 of a local launch holds the run's store: a rank still posting to it when rank 0 exits
-    gets torch's connection-reset warning, with a C++ stack, on its stderr. Ranks on other hosts
-    are not waited for.
-    """
-    if _heartbeat is None:
-        return
-    pids = [pid for host, pid in _heartbeat.peers.values() if host == HOST and pid != os.getpid()]
-    deadline = time.monotonic() + timeout
-    while any(not pid_ended(pid)[0] for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.01)
-
-
-def culprit(wait: float = 0.0) -> str | None:
-    """Which other rank ended the run, as far as this rank can tell within ``wait`` seconds (None if it cannot).
-
-    A connection to a rank closes while the kernel is still taking that process down, a moment
-    before it shows as ended: ``wait`` covers that moment.
-    """
-    deadline = time.monotonic() + wait
-    while _heartbeat is not None:
-        found = _heartbeat.culprit()
-        if found is not None or time.monotonic() >= deadline:
-            return found
-        time.sleep(0.01)  # often enough to read a dead peer's status before its parent reaps it
-    return None
+    if timeout <= 0 or world_size <= 1:
+        return None
+    beat = Heartbeat(own_connection(store), rank, world_size, timeout, store_host, quiet=quiet)
+    beat.start()
+    return beat

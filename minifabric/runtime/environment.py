@@ -12,7 +12,7 @@ behaves like lightning-fabric's ``LightningEnvironment``).
 
 A broken environment raises naming the variable, never falls back to a local run: a SLURM job
 without a node list, ``PET_NPROC_PER_NODE`` above 1 outside torchrun, and (when joining, see
-:mod:`minifabric.rendezvous`) a rank outside the world, an address that does not resolve or ranks
+:mod:`minifabric.runtime.rendezvous`) a rank outside the world, an address that does not resolve or ranks
 that never arrive.
 """
 
@@ -23,6 +23,7 @@ import os
 import socket
 import warnings
 from datetime import timedelta
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 from minifabric import process
 from minifabric._torch import intra_op_threads
-from minifabric.rendezvous import World, join
+from minifabric.runtime.rendezvous import World, join
 
 if TYPE_CHECKING:
     from lightning_fabric.plugins.environments import ClusterEnvironment
@@ -151,11 +152,11 @@ class ProcessGroupEnvironment(LocalEnvironment):
 
 
 #: the variables each environment reads (rank, world size, address, port), named in its errors
-_VARIABLES = {
+_VARIABLES = MappingProxyType({
     "SLURMEnvironment": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_NODELIST", "SLURM_JOB_ID"),
     "LSFEnvironment": ("JSM_NAMESPACE_RANK", "JSM_NAMESPACE_SIZE", "LSB_DJOB_RANKFILE", "LSB_JOBID"),
     "MPIEnvironment": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
-}
+})
 
 
 def world_of(env: Any) -> World:
@@ -273,7 +274,7 @@ def init_process_group(env: Any, backend: str, timeout: timedelta) -> None:
     """Join the default process group described by ``env`` (adopt it if it exists already).
 
     The world is checked first and every rank must arrive within the join timeout
-    (:func:`minifabric.rendezvous.join`).
+    (:func:`minifabric.runtime.rendezvous.join`).
     """
     if dist.is_initialized():
         return

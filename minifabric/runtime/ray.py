@@ -5,7 +5,7 @@ autoscaler takes away) and tells its workers through ``ray.train.get_preemption_
 until then, a ``PreemptionInfo`` after. That call is a collective of Ray's own: rank 0's answer is
 broadcast to every worker through Ray's synchronization actor, so every worker must call it the
 same number of times and every worker gets the same answer. Reading ``should_stop`` is already a
-collective that every rank reaches at the same point of the loop, so the lifecycle calls it there,
+collective that every rank reaches at the same point of the loop, so the rank (:mod:`minifabric.runtime.rank`) calls it there,
 exactly once per read on every rank, and ORs the answer into the stop agreement.
 
 Detection asks Ray and never guesses from names or environment variables:
