@@ -7,6 +7,11 @@ switch is one named helper that says why it exists and gives back a way to undo 
 manager, or a returned ``undo``). ``tests/unit/test_process_switches.py`` checks that no other
 module sets one.
 
+It also keeps the little that is shared by every Accelerator and thread of the process (at its
+end): a sequence of numbers, the use count of a shared patch, and the one background chore of a
+kind (the deletion of replaced checkpoint versions). Besides :mod:`minifabric.runtime.rank`, it is
+the only module with module-level state (``tests/unit/test_module_state.py``).
+
 This module is the bottom layer: it imports nothing from minifabric.
 """
 
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import itertools
 import os
 import signal
 import sys
@@ -269,3 +275,75 @@ def forget_world_size() -> None:
     started from this process.
     """
     os.environ.pop("WORLD_SIZE", None)
+
+
+# ---- process-wide bookkeeping -------------------------------------------------------------------
+# The state of this module and of `runtime/rank.py` is the only module-level state of minifabric
+# (tests/unit/test_module_state.py): what is shared by every Accelerator and thread of the process.
+
+_numbers = itertools.count()
+_patches_lock = threading.Lock()
+_patches: dict[str, tuple[int, Callable[[], None]]] = {}  # name -> (open blocks, undo)
+_chores_lock = threading.Lock()
+_chores: dict[str, threading.Thread] = {}  # name -> the thread of the last chore of that name
+
+
+def next_number() -> int:
+    """A number no earlier call in this process returned (increasing; thread-safe)."""
+    return next(_numbers)
+
+
+@contextmanager
+def shared_patch(name: str, install: Callable[[], Callable[[], None]]) -> Iterator[None]:
+    """Inside, the process-wide patch ``name`` is installed: by the first block to open, undone by the last.
+
+    ``install()`` patches and returns its undo. Blocks in several threads may open and end in any
+    order; the patch is installed once and restored once, after the last block ends.
+    """
+    with _patches_lock:
+        users, undo = _patches.get(name, (0, None))
+        if not users:
+            undo = install()
+        _patches[name] = (users + 1, undo)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        with _patches_lock:
+            users, undo = _patches.pop(name)
+            if users > 1:
+                _patches[name] = (users - 1, undo)
+            else:
+                undo()
+
+
+def run_chore(name: str, prepare: Callable[[], Callable[[], None] | None]) -> None:
+    """Run a chore on a background thread ``name``, after the previous chore of that name ended.
+
+    ``prepare()`` runs here, after that previous chore ended, and returns the work for the thread
+    (or None: nothing to do). The thread is not a daemon, so the interpreter finishes the work
+    before it exits. Where no thread can start (at interpreter shutdown) the work runs here.
+    """
+    with _chores_lock:
+        _join_chore(name)
+        work = prepare()
+        if work is None:
+            return
+        thread = threading.Thread(target=work, name=name)
+        try:
+            thread.start()
+        except RuntimeError:  # no new thread now (Python 3.12 at interpreter shutdown): work here
+            work()
+            return
+        _chores[name] = thread
+
+
+def wait_for_chore(name: str) -> None:
+    """Wait until the last chore ``name`` ended."""
+    with _chores_lock:
+        _join_chore(name)
+
+
+def _join_chore(name: str) -> None:
+    thread = _chores.pop(name, None)
+    if thread is not None:
+        thread.join()

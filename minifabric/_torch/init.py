@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import threading
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -13,14 +12,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from minifabric import process
+
 #: The hooks of the `module_registration_hooks` blocks the running thread (context) is inside,
 #: innermost last. Per context: blocks in two threads may end in any order, and a thread outside
 #: every block registers tensors unhooked while another thread is inside one.
 _REGISTRATION_HOOKS: ContextVar[tuple[tuple[Callable, Callable], ...]] = ContextVar(
     "minifabric_registration_hooks", default=()
 )
-_PATCH_LOCK = threading.Lock()
-_PATCH: dict[str, Any] = {"users": 0}  # how many blocks are open, and nn.Module's own methods
 
 
 @contextmanager
@@ -34,39 +33,41 @@ def module_registration_hooks(
     the innermost hook runs first.
 
     A process-wide patch of ``nn.Module``, installed while any block is open and restored when the
-    last one ends; it calls the hooks of the running thread's blocks only (meta-device init uses it
-    to see every parameter as it is registered).
+    last one ends (:func:`minifabric.process.shared_patch`); it calls the hooks of the running
+    thread's blocks only (meta-device init uses it to see every parameter as it is registered).
     """
     token = _REGISTRATION_HOOKS.set((*_REGISTRATION_HOOKS.get(), (on_parameter, on_buffer)))
-    with _PATCH_LOCK:
-        if not _PATCH["users"]:
-            _PATCH["parameter"], _PATCH["buffer"] = nn.Module.register_parameter, nn.Module.register_buffer
-            nn.Module.register_parameter = _patched_parameter  # type: ignore[method-assign,assignment]
-            nn.Module.register_buffer = _patched_buffer  # type: ignore[method-assign,assignment]
-        _PATCH["users"] += 1
     try:
-        yield
+        with process.shared_patch("nn.Module registration", _install_registration_patch):
+            yield
     finally:
         _REGISTRATION_HOOKS.reset(token)
-        with _PATCH_LOCK:
-            _PATCH["users"] -= 1
-            if not _PATCH["users"]:
-                nn.Module.register_parameter = _PATCH["parameter"]  # type: ignore[method-assign]
-                nn.Module.register_buffer = _PATCH["buffer"]  # type: ignore[method-assign]
 
 
-def _patched_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-    for on_parameter, _ in reversed(_REGISTRATION_HOOKS.get()):
-        if param is not None:
-            param = on_parameter(module, name, param)
-    _PATCH["parameter"](module, name, param)
+def _install_registration_patch() -> Callable[[], None]:
+    """Patch ``nn.Module``'s registration methods to run this thread's hooks; return the undo."""
+    register_parameter, register_buffer = nn.Module.register_parameter, nn.Module.register_buffer
 
+    def patched_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        for on_parameter, _ in reversed(_REGISTRATION_HOOKS.get()):
+            if param is not None:
+                param = on_parameter(module, name, param)
+        register_parameter(module, name, param)
 
-def _patched_buffer(module: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
-    for _, on_buffer in reversed(_REGISTRATION_HOOKS.get()):
-        if tensor is not None:
-            tensor = on_buffer(module, name, tensor)
-    _PATCH["buffer"](module, name, tensor, persistent)
+    def patched_buffer(module: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        for _, on_buffer in reversed(_REGISTRATION_HOOKS.get()):
+            if tensor is not None:
+                tensor = on_buffer(module, name, tensor)
+        register_buffer(module, name, tensor, persistent)
+
+    nn.Module.register_parameter = patched_parameter  # type: ignore[method-assign,assignment]
+    nn.Module.register_buffer = patched_buffer  # type: ignore[method-assign,assignment]
+
+    def undo() -> None:
+        nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+        nn.Module.register_buffer = register_buffer  # type: ignore[method-assign]
+
+    return undo
 
 
 def storage_key(t: torch.Tensor) -> int:

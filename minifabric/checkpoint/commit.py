@@ -32,18 +32,20 @@ For tests, ``MINIFABRIC_CHECKPOINT_FAULT=POINT:RANK`` kills rank RANK with SIGKI
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import shutil
 import signal
-import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from minifabric import process
 from minifabric.checkpoint.durable import fsync_path, replacing
 from minifabric.checkpoint.errors import CheckpointError
 
@@ -253,8 +255,7 @@ def _set_aside(path: Path, entries: list[Path]) -> list[Path]:
     return [trash, *beside]
 
 
-_cleanup: threading.Thread | None = None
-_cleanup_lock = threading.Lock()  # a background save's commit and another thread's save may both get here
+_CLEANUP = "minifabric-checkpoint-cleanup"  # one per process: a background save's commit and another thread's save may both get here
 
 
 def _clean_up_later(path: Path, keep: str) -> None:
@@ -267,32 +268,17 @@ def _clean_up_later(path: Path, keep: str) -> None:
     thread can start (a background save committing while Python 3.12 shuts down) it deletes here:
     the checkpoint is committed, and nothing after the commit may fail the save.
     """
-    global _cleanup
-    with _cleanup_lock:
-        _join_cleanup()
+
+    def prepare() -> Callable[[], None] | None:
         doomed = _set_aside(path, _stale(path, keep))
-        if not doomed:
-            return
-        thread = threading.Thread(target=_remove, args=(doomed,), name="minifabric-checkpoint-cleanup")
-        try:
-            thread.start()
-        except RuntimeError:  # no new thread now (Python 3.12 at interpreter shutdown): delete here
-            _remove(doomed)
-            return
-        _cleanup = thread
+        return functools.partial(_remove, doomed) if doomed else None
 
-
-def _join_cleanup() -> None:
-    global _cleanup
-    if _cleanup is not None:
-        _cleanup.join()
-        _cleanup = None
+    process.run_chore(_CLEANUP, prepare)
 
 
 def wait_for_cleanup() -> None:
     """Wait until the previous commit's older versions are deleted (a save calls it before it writes)."""
-    with _cleanup_lock:
-        _join_cleanup()
+    process.wait_for_chore(_CLEANUP)
 
 
 def _interrupted_hint(path: Path) -> str:

@@ -13,16 +13,16 @@ import torch
 from minifabric._torch import tree_map
 
 #: Calls that create uninitialized memory: their result has no value until something writes it.
-EMPTY_FACTORIES = {torch.empty, torch.empty_like, torch.Tensor.new_empty, torch.empty_strided}
+EMPTY_FACTORIES = frozenset({torch.empty, torch.empty_like, torch.Tensor.new_empty, torch.empty_strided})
 #: In-place methods that change a tensor's shape or storage: not replayable.
-RESHAPES = {
+RESHAPES = frozenset({
     torch.Tensor.resize_, torch.Tensor.set_, torch.Tensor.as_strided_, torch.Tensor.t_,
     torch.Tensor.transpose_, torch.Tensor.squeeze_, torch.Tensor.unsqueeze_, torch.Tensor.swapdims_,
-}  # fmt: skip
+})  # fmt: skip
 #: In-place methods that change only autograd or naming metadata.
-METADATA = {
+METADATA = frozenset({
     torch.Tensor.requires_grad_, torch.Tensor.retain_grad, torch.Tensor.share_memory_,
-}  # fmt: skip
+})  # fmt: skip
 DATA: Any = torch.Tensor.data  # the `.data` property: its __set__ replaces a tensor's data
 IS_META: Any = torch.Tensor.is_meta
 

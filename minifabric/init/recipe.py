@@ -13,16 +13,12 @@ Which tensor has which handle is kept on the model that was built: see
 
 from __future__ import annotations
 
-import itertools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-#: Orders every recorded op and read, across models: a read sees the ops numbered before it.
-SEQ = itertools.count()
 
 
 @dataclass(eq=False)
@@ -69,6 +65,7 @@ class Op:
     generators: dict[str, torch.Tensor] = field(default_factory=dict)  # kwarg name -> generator state
 
 
+@dataclass(frozen=True)
 class _Target:
     """Marks, in a recorded op's arguments, the tensor the op writes into."""
 

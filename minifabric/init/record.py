@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from minifabric import process
 from minifabric._torch import seeded_op_probe, storage_key, torch_init_call, tree_flatten, tree_map
 from minifabric.init.attach import Recording, handle_of
 from minifabric.init.calls import (
@@ -52,7 +53,7 @@ from minifabric.init.calls import (
     is_inplace,
     to_meta,
 )
-from minifabric.init.recipe import SEQ, TARGET, Base, Handle, Op, Real, Ref
+from minifabric.init.recipe import TARGET, Base, Handle, Op, Real, Ref
 from minifabric.init.replay import apply_chain, call, resolver
 
 
@@ -209,7 +210,7 @@ class Recorder(TorchFunctionMode):
             return value
         handle = self.lookup(value)
         if handle is not None:
-            return Ref(handle, next(SEQ))
+            return Ref(handle, process.next_number())
         if value.is_meta:
             raise Unrecordable("reads a meta tensor created outside `init_module`")
         return Real(value.detach().clone())  # by value: later changes to it must not reach replay
@@ -220,7 +221,7 @@ class Recorder(TorchFunctionMode):
         def convert(v: Any) -> Any:
             return TARGET if target is not None and v is target else self._ref(v)
 
-        return Op(func, tree_map(convert, args), tree_map(convert, kwargs), next(SEQ), name, **extra)
+        return Op(func, tree_map(convert, args), tree_map(convert, kwargs), process.next_number(), name, **extra)
 
     def _inplace(
         self, func: Callable, name: str, target: Any, args: tuple, kwargs: dict, on_meta: bool = True
@@ -307,7 +308,7 @@ class Recorder(TorchFunctionMode):
         base = Base(result.shape, result.dtype, "computed")
         if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta":
             kwargs = {**kwargs, "device": "cpu"}
-        base.creator = Op(func, args, kwargs, next(SEQ), call_name(func))
+        base.creator = Op(func, args, kwargs, process.next_number(), call_name(func))
         self._advance_rng(base.creator)
         self.track(result, base)
         return result

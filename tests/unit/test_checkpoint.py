@@ -447,14 +447,15 @@ def test_a_commit_that_cannot_start_a_thread_deletes_the_replaced_version_itself
     script left running commits: the save still succeeds (it is committed) and cleans up."""
     from types import SimpleNamespace
 
-    from minifabric.checkpoint import commit as commits
+    from minifabric import process
 
     class NoNewThreads(threading.Thread):
         def start(self) -> None:
             raise RuntimeError("can't create new thread at interpreter shutdown")
 
     acc, model, path, _ = _saved_once(tmp_path)
-    monkeypatch.setattr(commits, "threading", SimpleNamespace(Thread=NoNewThreads))
+    # the commit's cleanup thread is started by minifabric.process (one cleanup thread per process)
+    monkeypatch.setattr(process, "threading", SimpleNamespace(**{**vars(threading), "Thread": NoNewThreads}))
     acc.save(path, {"model": model, "step": 2})  # committed: nothing may fail the save after that
     assert _only_the_latest_version(path)
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]

@@ -72,22 +72,7 @@ _COPYING_CALLS = {"frozenset", "tuple", "MappingProxyType", "types.MappingProxyT
 
 #: state in modules other engineers are moving to instances; each entry is a known exception
 #: today. Nothing may be added here: remove entries as they are fixed.
-KNOWN_EXCEPTIONS: set[tuple[str, str]] = {
-    # the cleanup thread of the last commit and its lock: one per process, for the saves of every
-    # Accelerator in it (checkpoint/)
-    ("minifabric/checkpoint/commit.py", "_cleanup_lock"),
-    ("minifabric/checkpoint/commit.py", "global _cleanup"),
-    # the init recorder's registries (init/): weak tables keyed by tensor or module, a sequence
-    ("minifabric/init/recipe.py", "SEQ"),
-    ("minifabric/init/recipe.py", "TARGET"),
-    ("minifabric/init/recipe.py", "RECORDS"),
-    ("minifabric/init/recipe.py", "SEALED"),
-    ("minifabric/init/verify.py", "_BUILT"),
-    ("minifabric/init/context.py", "_BUILT_HERE"),
-    ("minifabric/init/calls.py", "EMPTY_FACTORIES"),
-    ("minifabric/init/calls.py", "RESHAPES"),
-    ("minifabric/init/calls.py", "METADATA"),
-}
+KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()  # none left: an entry added here needs a reason
 
 
 def _dotted(node: ast.expr) -> str | None:
