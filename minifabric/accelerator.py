@@ -7,7 +7,6 @@ lives in the strategy, never here.
 from __future__ import annotations
 
 import os
-import weakref
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager
@@ -93,8 +92,7 @@ class Accelerator:
         self._launched = False
         self._ledger = SetupLedger()  # the models set up, for optimizers set up after them
         # raises at step() of an optimizer left holding parameters that setup replaced
-        self._orphans = OrphanWatch()
-        weakref.finalize(self, self._orphans.close)
+        self._orphans = OrphanWatch(owner=self)
         if launched_by_cli():  # as under `fabric run`: the script's own torch.distributed calls work
             self._join()
 

@@ -203,6 +203,14 @@ def _dtype_names() -> list[str]:
     return sorted({str(v) for v in vars(torch).values() if isinstance(v, torch.dtype)})
 
 
+def _all_equal(values: list[int], device: torch.device, group: Any) -> bool:
+    """Whether every rank passed these ints: one all-reduce (MAX of the values and of their negatives)."""
+    mine = torch.tensor(values, dtype=torch.long, device=device)
+    both = torch.cat([mine, -mine])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return bool(torch.equal(both[: len(values)], -both[len(values) :]))
+
+
 def _shape_code(shape: torch.Size) -> int:
     """One int for a shape (equal shapes give equal codes; unequal ones differ but for a ~2**-61 chance)."""
     code = len(shape)
@@ -215,20 +223,22 @@ def _check_same_layout(tensor: torch.Tensor, world: int, device: torch.device, g
     """Raise on every rank unless every rank passes ``op`` a tensor of this shape and dtype.
 
     Gloo aborts the process on buffers of different sizes (and NCCL may hang, or reduce bytes that
-    are not the same values), so the ranks first exchange one header of one size everywhere (rank
-    count, dtype, element count, a code of the shape): one small collective when the ranks agree.
+    are not the same values), so the ranks first agree on one header of one size everywhere (rank
+    count, dtype, element count, a code of the shape), with the op itself: one small collective
+    when the ranks agree.
     Only when they do not are the shapes themselves gathered (padded to the largest rank count),
     for the message.
     """
     names = _dtype_names()
-    headers = _gathered(
-        [tensor.dim(), names.index(str(tensor.dtype)), tensor.numel(), _shape_code(tensor.shape)],
-        world,
-        device,
-        group,
-    )
-    if all(h == headers[0] for h in headers):
-        return
+    header = [tensor.dim(), names.index(str(tensor.dtype)), tensor.numel(), _shape_code(tensor.shape)]
+    if op == "all_reduce":  # agreement by the op itself (a hang report names the collective the user called)
+        if _all_equal(header, device, group):
+            return
+        headers = _gathered(header, world, device, group)
+    else:
+        headers = _gathered(header, world, device, group)
+        if all(h == headers[0] for h in headers):
+            return
     longest = max(h[0] for h in headers)
     padded = (
         _gathered(list(tensor.shape) + [-1] * (longest - tensor.dim()), world, device, group)

@@ -217,11 +217,14 @@ class OrphanWatch:
     the check costs one dictionary lookup per step.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, owner: Any = None) -> None:
+        """Watch for the optimizers of ``owner`` (an Accelerator): closed once ``owner`` is collected."""
         self._names: dict[int, str] = {}  # id of a replaced parameter that is alive -> its name
         self._refs: dict[int, weakref.ref] = {}
         self._clean: weakref.WeakKeyDictionary[Optimizer, int] = weakref.WeakKeyDictionary()
         self._handle: Any = None
+        if owner is not None:
+            weakref.finalize(owner, self.close)
 
     def __reduce__(self) -> tuple[type, tuple]:
         # an Accelerator is pickled into the processes `acc.launch(fn)` spawns: parameters do not
