@@ -29,18 +29,9 @@ def allocate_dtensors(
             return t
         target = device if isinstance(t, nn.Parameter) else buffer_device
         if id(t) in shards:  # a kept part that is exactly this rank's shard: its storage, no second copy
-            from torch.distributed.tensor import DTensor
-
-            local = shards[id(t)].to(device=target, dtype=t.dtype)
             placed: Any = t
-            return DTensor.from_local(
-                local,
-                placed.device_mesh,
-                placed.placements,
-                run_check=False,
-                shape=t.shape,
-                stride=t.stride(),
-            )
+            local = shards[id(t)].to(device=target, dtype=t.dtype)
+            return shard_from_local(local, placed.device_mesh, placed.placements, t.shape, t.stride())
         return torch.empty_like(t, device=target)
 
     if any(is_dtensor(t) and t.is_meta for t in (*module.parameters(), *module.buffers())):
@@ -72,6 +63,16 @@ def fill_local(tensor: Any, full: torch.Tensor) -> None:
         )
 
     copy_into_local(tensor, part, mismatch)
+
+
+def shard_from_local(local: torch.Tensor, mesh: Any, placements: Any, shape: Any, stride: Any) -> Any:
+    """A DTensor over ``local``, this rank's part of a tensor of global ``shape`` and ``stride``.
+
+    No communication: the global layout is given, not checked (``run_check=False``).
+    """
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def copy_into_local(

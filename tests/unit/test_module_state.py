@@ -72,7 +72,6 @@ _COPYING_CALLS = {"frozenset", "tuple", "MappingProxyType", "types.MappingProxyT
 
 #: state in modules other engineers are moving to instances; each entry is a known exception
 #: today. Nothing may be added here: remove entries as they are fixed.
-KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()  # none left: an entry added here needs a reason
 
 
 def _dotted(node: ast.expr) -> str | None:
@@ -196,18 +195,12 @@ def violations(name: str, tree: ast.Module) -> set[tuple[str, str]]:
 
 def test_only_the_runtime_rank_and_process_py_hold_module_level_state():
     found = set().union(*(violations(name, tree) for name, tree in _modules() if name not in STATE_HOLDERS))
-    new = sorted(found - KNOWN_EXCEPTIONS)
+    new = sorted(found)
     assert not new, (
         "Module-level state belongs on an instance (what is true of the whole process: the record in"
         " minifabric/runtime/rank.py). A constant table is made immutable: a tuple, frozenset({...})"
         " or types.MappingProxyType({...}):\n" + "\n".join(f"  {path}: {what}" for path, what in new)
     )
-
-
-def test_the_known_exceptions_are_still_there():
-    """An entry fixed elsewhere is taken off the list, so it cannot come back unnoticed."""
-    found = set().union(*(violations(name, tree) for name, tree in _modules()))
-    assert KNOWN_EXCEPTIONS <= found, sorted(KNOWN_EXCEPTIONS - found)
 
 
 def test_the_state_holders_exist():

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from minifabric._torch import tree_map
-from minifabric.init.place import copy_into_local
+from minifabric.init.place import copy_into_local, shard_from_local
 from minifabric.parameters import optimizer_parameters
 
 
@@ -117,14 +117,7 @@ def load_optimizer_state(optimizer: Optimizer, received: dict[str, Any]) -> None
                 " here. Every replica group must use the same strategy and number of processes."
             )
         local = value.tensor.to(param.to_local().device)
-        return DTensor.from_local(
-            local,
-            param.device_mesh,
-            value.placements,
-            run_check=False,
-            shape=value.shape,
-            stride=value.stride,
-        )
+        return shard_from_local(local, param.device_mesh, value.placements, value.shape, value.stride)
 
     state = {
         index: {key: rebuild(value, params[index]) for key, value in entry.items()}
