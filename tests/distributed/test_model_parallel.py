@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import gc
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -97,28 +97,37 @@ def _train(acc: Accelerator, groups: int, group: int, placements: Any) -> dict[s
 
 
 class _Reductions:
-    """Counts FSDP's gradient reductions (reduce-scatter, cross-replica all-reduce) by wrapping torch's calls."""
+    """Counts FSDP's gradient reductions (reduce-scatter, cross-replica all-reduce) by wrapping torch's calls.
+
+    FSDP2 calls ``reduce_scatter_single`` on newer torch and ``reduce_scatter_tensor`` on older torch:
+    every one of the two this torch has is wrapped (they do not call each other).
+    """
+
+    KINDS: ClassVar[dict[str, str]] = {
+        "reduce_scatter_single": "reduce_scatter",
+        "reduce_scatter_tensor": "reduce_scatter",
+        "all_reduce": "all_reduce",
+    }
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
 
     def __enter__(self) -> _Reductions:
-        self._saved = dist.reduce_scatter_single, dist.all_reduce
-        rs, ar = self._saved
-
-        def reduce_scatter_single(*args: Any, **kwargs: Any) -> Any:
-            self.calls.append(("reduce_scatter", dist.get_world_size(kwargs.get("group"))))
-            return rs(*args, **kwargs)
-
-        def all_reduce(*args: Any, **kwargs: Any) -> Any:
-            self.calls.append(("all_reduce", dist.get_world_size(kwargs.get("group"))))
-            return ar(*args, **kwargs)
-
-        dist.reduce_scatter_single, dist.all_reduce = reduce_scatter_single, all_reduce  # type: ignore[assignment]
+        self._saved = {name: getattr(dist, name) for name in self.KINDS if hasattr(dist, name)}
+        for name, original in self._saved.items():
+            setattr(dist, name, self._counting(self.KINDS[name], original))
         return self
 
+    def _counting(self, kind: str, original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append((kind, dist.get_world_size(kwargs.get("group"))))
+            return original(*args, **kwargs)
+
+        return call
+
     def __exit__(self, *exc: Any) -> None:
-        dist.reduce_scatter_single, dist.all_reduce = self._saved  # type: ignore[assignment]
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
 
 
 def _reductions(acc: Accelerator, model: nn.Module, micro_batches: int) -> list[tuple[str, int]]:
