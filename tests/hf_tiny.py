@@ -1,4 +1,5 @@
-"""Tiny Hugging Face models (no downloads) whose weight init uses ``trunc_normal_``."""
+"""Tiny Hugging Face models (no downloads): ``FAMILIES`` init weights with ``trunc_normal_``; ``"llama"``
+(a decoder with rotary buffers computed in ``__init__``) is built on request."""
 
 from __future__ import annotations
 
@@ -6,8 +7,15 @@ from torch import nn
 
 
 def build(family: str) -> nn.Module:
-    """A randomly initialized model of ``family`` ("vit", "modernbert" or "dinov2"), a few KB."""
+    """A randomly initialized model of ``family`` ("vit", "modernbert", "dinov2" or "llama"), a few KB."""
     import transformers as tf
+
+    if family == "llama":
+        config = tf.LlamaConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=32,
+        )  # fmt: skip
+        return tf.LlamaForCausalLM(config)
 
     if family == "vit":
         config = tf.ViTConfig(

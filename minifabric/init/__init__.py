@@ -10,6 +10,8 @@ pieces, bottom to top:
 - :mod:`~minifabric.init.attach`: where a recording lives (on the model it built).
 - :mod:`~minifabric.init.calls`: how the recorder tells torch calls apart.
 - :mod:`~minifabric.init.replay`: computing a value from its recipe.
+- :mod:`~minifabric.init.generators`: the random streams a recipe draws from (the CPU's, the build
+  device's).
 - :mod:`~minifabric.init.record`: the ``TorchFunctionMode`` that records it.
 - :mod:`~minifabric.init.verify`: the self-check against eager construction.
 - :mod:`~minifabric.init.context`: the ``init_module`` context.

@@ -38,7 +38,9 @@ _RECORDER: ContextVar[Recorder | None] = ContextVar("minifabric_init_recorder", 
 
 
 @contextmanager
-def meta_init_context(verify: bool = False, keep: tuple[int, int] | None = None) -> Iterator[None]:
+def meta_init_context(
+    verify: bool = False, keep: tuple[int, int] | None = None, device: torch.device | str = "cpu"
+) -> Iterator[None]:
     """Create parameters on the meta device and record how ``__init__`` initializes them.
 
     Args:
@@ -48,6 +50,10 @@ def meta_init_context(verify: bool = False, keep: tuple[int, int] | None = None)
             (random) write computes at construction, the part of it this rank will hold after
             ``setup`` (``(1, 0)``: all of it), so ``setup`` copies it instead of running the init a
             second time. None keeps nothing (``setup`` replays every init).
+        device: the build device: where ``init_module(empty_init=False)`` would construct the model
+            (the caller enters its default-device context). Random inits draw from its generator,
+            as eager construction there does, and ``setup`` computes the values there
+            (:mod:`~minifabric.init.generators`).
 
     Example:
         >>> import torch
@@ -61,10 +67,10 @@ def meta_init_context(verify: bool = False, keep: tuple[int, int] | None = None)
         False
     """
     if _RECORDER.get() is not None:  # nested: the outer context records everything, once
-        with noting_constructions() if verify else nullcontext():
+        with noting_constructions(device) if verify else nullcontext():
             yield
         return
-    recorder = Recorder(keep)
+    recorder = Recorder(keep, device)
 
     def on_parameter(module: nn.Module, name: str, param: nn.Parameter) -> nn.Parameter:
         with recorder.paused_recording():
@@ -85,7 +91,7 @@ def meta_init_context(verify: bool = False, keep: tuple[int, int] | None = None)
     token = _RECORDER.set(recorder)
     try:
         with module_registration_hooks(on_parameter, on_buffer), recorder:
-            with noting_constructions() if verify else nullcontext():
+            with noting_constructions(device) if verify else nullcontext():
                 yield
         recorder.settle()
     finally:

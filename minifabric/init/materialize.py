@@ -15,7 +15,7 @@ The stages of the recorded mode, in order:
 2. :mod:`~minifabric.init.kept`: the values kept at construction that are exactly this rank's part.
 3. :mod:`~minifabric.init.place`: storage for DTensors' local parts.
 4. per tensor, its full value: the kept one (:func:`~minifabric.init.kept.take_whole_kept`) or a
-   replay of its recipe on the CPU (:func:`~minifabric.init.replay.value_of`), shown to the
+   replay of its recipe on its build device (:func:`~minifabric.init.replay.value_of`), shown to the
    self-check when one is on (``on_value``; then every value is replayed);
 5. :func:`~minifabric.init.place.place`: the value where the meta tensor was (a DTensor keeps only
    this rank's part).

@@ -35,6 +35,8 @@ class Base:
     problem: str | None = None  # why its value cannot be reproduced (raised at setup)
     #: ((parts, index), chunk ``index`` of the value along dim 0), kept from construction (see Recorder._keep)
     kept: tuple[tuple[int, int], torch.Tensor] | None = None
+    #: where eager construction computes its value (the build device; see :mod:`~minifabric.init.generators`)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property
     def written(self) -> bool:
@@ -62,7 +64,14 @@ class Op:
     target: Handle | None = None  # in-place ops: what they write; None for a creation
     index: int | None = None  # a creation that returns several tensors: which one
     rng: torch.Tensor | None = None  # default CPU generator state before the op, if it draws
+    device_rng: torch.Tensor | None = None  # the build device's default generator state before it, if it draws
     generators: dict[str, torch.Tensor] = field(default_factory=dict)  # kwarg name -> generator state
+    generator_devices: dict[str, torch.device] = field(default_factory=dict)  # kwarg name -> its device
+
+    @property
+    def draws(self) -> bool:
+        """Whether it draws random numbers (from a default generator, or one it is given)."""
+        return self.rng is not None or self.device_rng is not None or bool(self.generators)
 
 
 @dataclass(frozen=True)

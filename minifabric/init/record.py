@@ -53,6 +53,7 @@ from minifabric.init.calls import (
     is_inplace,
     to_meta,
 )
+from minifabric.init.generators import CPU, advanced, states
 from minifabric.init.recipe import TARGET, Base, Handle, Op, Real, Ref
 from minifabric.init.replay import apply_chain, call, resolver
 
@@ -65,13 +66,16 @@ class Recorder(TorchFunctionMode):
     """Records the init of tracked meta tensors (see the module docstring).
 
     While it is active, ``torch.empty`` (and ``empty_like``, ``new_empty``, ``empty_strided``) of a
-    CPU floating-point tensor returns a tracked meta tensor instead: that is how parameters are
-    born without memory. Real tensors are left alone, so buffers computed in ``__init__`` are real.
+    floating-point tensor on ``device`` (the build device: where eager construction would put it)
+    returns a tracked meta tensor instead: that is how parameters are born without memory. Real
+    tensors are left alone, so buffers computed in ``__init__`` are real. Random calls run once for
+    real on ``device``, drawing from its generator as eager construction does.
     """
 
-    def __init__(self, keep: tuple[int, int] | None = None) -> None:
+    def __init__(self, keep: tuple[int, int] | None = None, device: torch.device | str = CPU) -> None:
         super().__init__()
         self.keep = keep
+        self.device = torch.device(device)
         self.recording = Recording()  # what it records; held by the models built, not by the recorder
         self._scratch_bytes: torch.Tensor | None = None  # reused: page-faulted once, not per parameter
         self._alive: list[torch.Tensor] = []  # tracked meta tensors: their storages are never reused
@@ -97,6 +101,7 @@ class Recorder(TorchFunctionMode):
     def track(self, t: torch.Tensor, handle: Handle | Base) -> Handle:
         """Remember ``t`` as a view (or the whole) of a recorded base."""
         if isinstance(handle, Base):
+            handle.device = self.device
             if handle.stride is None:  # random init fills memory in stride order: part of the record
                 handle.stride = tuple(t.stride())
             handle = Handle(handle)
@@ -195,8 +200,15 @@ class Recorder(TorchFunctionMode):
         return self._derived(func, name, args, kwargs, tracked)
 
     def _empty(self, func: Callable, args: tuple, kwargs: dict) -> Any:
-        result = func(*to_meta(args), **kwargs) if func is not torch.empty_strided else func(*args, **kwargs)
-        if not isinstance(result, torch.Tensor) or result.device.type not in ("cpu", "meta"):
+        args = to_meta(args) if func is not torch.empty_strided else args
+        result = None
+        if self._lands_here(kwargs):  # try the meta device first: no memory taken on the build device
+            result = func(*args, **{**kwargs, "device": "meta"})
+            if not (isinstance(result, torch.Tensor) and result.is_floating_point()):
+                result = None  # not a parameter's kind (an integer buffer): created as eager would
+        if result is None:
+            result = func(*args, **kwargs)
+        if not isinstance(result, torch.Tensor) or result.device.type not in (self.device.type, "meta"):
             return result
         if not result.is_meta and not result.is_floating_point():
             return result  # an integer buffer (indices): real, as in eager construction
@@ -204,6 +216,12 @@ class Recorder(TorchFunctionMode):
         del result
         self.track(meta, Base(meta.shape, meta.dtype, "empty", stride=meta.stride()))
         return meta
+
+    def _lands_here(self, kwargs: dict) -> bool:
+        """Whether an empty-factory call creates its tensor on the build device (or the meta device)."""
+        device = kwargs.get("device")
+        device = torch.get_default_device() if device is None else torch.device(device)
+        return device.type in (self.device.type, "meta")
 
     def _ref(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
@@ -259,7 +277,8 @@ class Recorder(TorchFunctionMode):
         """Run ``op`` for real on a scratch target so the random streams advance as in eager construction."""
         gens = {k: v for k, v in op.kwargs.items() if isinstance(v, torch.Generator)}
         op.generators = {k: g.get_state() for k, g in gens.items()}
-        before = torch.get_rng_state()
+        op.generator_devices = {k: g.device for k, g in gens.items()}
+        before = states(self.device)
         scratch = None
         resolve = resolver()
         if op.target is not None:
@@ -267,13 +286,12 @@ class Recorder(TorchFunctionMode):
             stride = base.stride or torch.empty(base.shape, device="meta").stride()
             scratch = self._scratch(base.shape, stride, base.dtype)
             scratch = apply_chain(scratch, op.target.chain, resolve)
-        call(op, scratch, resolve, dict(gens))
-        if not torch.equal(before, torch.get_rng_state()):
-            op.rng = before
+        call(op, scratch, resolve, dict(gens), self.device)
+        op.rng, op.device_rng = advanced(before, self.device)
         if op.target is not None and not op.target.chain and not op.target.base.ops:
             self._keep(op.target.base, scratch)
         if all(torch.equal(op.generators[k], g.get_state()) for k, g in gens.items()):
-            op.generators = {}
+            op.generators, op.generator_devices = {}, {}
 
     def _scratch(self, shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized tensor of ``shape`` and ``stride`` in memory reused from call to call."""
@@ -281,7 +299,7 @@ class Recorder(TorchFunctionMode):
         nbytes = size * torch.empty((), dtype=dtype).element_size()
         if self._scratch_bytes is None or self._scratch_bytes.numel() < nbytes:
             self._scratch_bytes = None
-            self._scratch_bytes = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            self._scratch_bytes = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
         return self._scratch_bytes[:nbytes].view(dtype).as_strided(shape, stride)
 
     def release(self) -> None:
@@ -304,10 +322,10 @@ class Recorder(TorchFunctionMode):
         base.kept = (self.keep, part.clone())
 
     def _fresh(self, func: Callable, args: tuple, kwargs: dict, result: torch.Tensor) -> torch.Tensor:
-        """A meta tensor made from no tensor (``torch.zeros(n, device="meta")``): replayed on the CPU."""
+        """A meta tensor made from no tensor (``torch.zeros(n, device="meta")``): replayed on the build device."""
         base = Base(result.shape, result.dtype, "computed")
         if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta":
-            kwargs = {**kwargs, "device": "cpu"}
+            kwargs = {**kwargs, "device": self.device}
         base.creator = Op(func, args, kwargs, process.next_number(), call_name(func))
         self._advance_rng(base.creator)
         self.track(result, base)
@@ -376,12 +394,12 @@ class Recorder(TorchFunctionMode):
         """
         op = self._op(func, name, args, kwargs)
         gens = {k: v for k, v in op.kwargs.items() if isinstance(v, torch.Generator)}
-        states = {k: g.get_state() for k, g in gens.items()}
-        before = torch.get_rng_state()
-        result = call(op, None, resolver(), dict(gens))
-        if not torch.equal(before, torch.get_rng_state()):
-            op.rng = before
-        op.generators = {k: s for k, s in states.items() if not torch.equal(s, gens[k].get_state())}
+        given = {k: g.get_state() for k, g in gens.items()}
+        before = states(self.device)
+        result = call(op, None, resolver(), dict(gens), self.device)
+        op.rng, op.device_rng = advanced(before, self.device)
+        op.generators = {k: s for k, s in given.items() if not torch.equal(s, gens[k].get_state())}
+        op.generator_devices = {k: gens[k].device for k in op.generators}
         many = isinstance(result, (tuple, list))
         outputs = []
         for index, out in enumerate(result if many else (result,)):
@@ -391,7 +409,8 @@ class Recorder(TorchFunctionMode):
             meta = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device="meta")
             base = Base(out.shape, out.dtype, "computed")
             base.creator = Op(op.func, op.args, op.kwargs, op.seq, name, None, index if many else None)
-            base.creator.rng, base.creator.generators = op.rng, op.generators
+            base.creator.rng, base.creator.device_rng = op.rng, op.device_rng
+            base.creator.generators, base.creator.generator_devices = op.generators, op.generator_devices
             self.track(meta, base)
             outputs.append(meta)
         return type(result)(outputs) if many else outputs[0]

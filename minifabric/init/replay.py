@@ -1,7 +1,9 @@
-"""Replaying a recipe: the value a meta tensor had in eager construction, computed on the CPU.
+"""Replaying a recipe: the value a meta tensor had in eager construction, computed on its build device.
 
-:func:`evaluate` runs a base's creation and in-place ops on a real CPU tensor with the generator
-states recorded for them, so the result is bitwise the tensor eager construction produced. A value
+:func:`evaluate` runs a base's creation and in-place ops on a real tensor on the device eager
+construction would have built it on (the CPU, or the strategy's accelerator: ``Base.device``), with
+the generator states recorded for them (:mod:`~minifabric.init.generators`), so the result is
+bitwise the tensor eager construction produced. A value
 read by an op (a :class:`~minifabric.init.recipe.Ref`) is the base's value at that point of the
 recording; each such intermediate value is computed once per :func:`evaluate` call, so replay is
 linear in the recorded ops (a spectral norm's power iterations read ``u`` and ``v`` back and forth).
@@ -10,46 +12,39 @@ linear in the recorded ops (a spectral norm's power iterations read ``u`` and ``
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from minifabric._torch import storage_key, tree_flatten, tree_map
+from minifabric.init.generators import CPU, building_on, drawing_from, generator
 from minifabric.init.recipe import TARGET, Base, Handle, Op, Real, Ref
-
-
-@contextmanager
-def rng_as(state: torch.Tensor | None) -> Iterator[None]:
-    """Inside, the default CPU generator starts from ``state`` (if given); restored after."""
-    if state is None:
-        yield
-        return
-    with torch.random.fork_rng(devices=[]):
-        torch.set_rng_state(state)
-        yield
 
 
 def generators_of(op: Op) -> dict[str, torch.Generator]:
     """Fresh generators in the states ``op``'s explicit generators had before it ran."""
-    out = {}
-    for name, state in op.generators.items():
-        gen = torch.Generator()
-        gen.set_state(state)
-        out[name] = gen
-    return out
+    return {
+        name: generator(op.generator_devices.get(name, CPU), state) for name, state in op.generators.items()
+    }
 
 
-def call(op: Op, target: torch.Tensor | None, resolve: Callable[[Any], Any], generators: dict) -> Any:
-    """Run ``op`` with ``target`` for its TARGET argument and its reads resolved by ``resolve``."""
+def call(
+    op: Op,
+    target: torch.Tensor | None,
+    resolve: Callable[[Any], Any],
+    generators: dict,
+    device: torch.device = CPU,
+) -> Any:
+    """Run ``op`` on ``device`` (its build device) with ``target`` for its TARGET argument and its
+    reads resolved by ``resolve``, drawing from the generator states recorded for it."""
 
     def fill(v: Any) -> Any:
         return target if v is TARGET else resolve(v)
 
     kwargs = tree_map(fill, op.kwargs)
     kwargs.update(generators)
-    with torch.no_grad(), rng_as(op.rng):
+    with torch.no_grad(), building_on(device), drawing_from(op.rng, op.device_rng, device):
         return op.func(*tree_map(fill, op.args), **kwargs)
 
 
@@ -88,7 +83,7 @@ class _Replay:
         with torch.no_grad():
             for op in base.ops[start:count]:
                 target = apply_chain(value, op.target.chain, self.resolve)  # type: ignore[union-attr]
-                call(op, target, self.resolve, generators_of(op))
+                call(op, target, self.resolve, generators_of(op), base.device)
         if upto is not None:  # a read: later reads of the same point start from here
             seen[count] = value.clone()
         return value
@@ -98,9 +93,9 @@ class _Replay:
             return base.value.clone()  # type: ignore[union-attr]
         if base.origin == "empty":
             stride = base.stride or torch.empty(base.shape, device="meta").stride()
-            return torch.empty_strided(base.shape, stride, dtype=base.dtype)
+            return torch.empty_strided(base.shape, stride, dtype=base.dtype, device=base.device)
         creator: Any = base.creator
-        result = call(creator, None, self.resolve, generators_of(creator))
+        result = call(creator, None, self.resolve, generators_of(creator), base.device)
         value = result if creator.index is None else result[creator.index]
         flat, _ = tree_flatten((creator.args, creator.kwargs))
         reads = [r.tensor for r in flat if isinstance(r, Real)]
@@ -112,7 +107,7 @@ class _Replay:
 def evaluate(base: Base, upto: int | None = None) -> torch.Tensor:
     """The value ``base`` had in eager construction: after all its ops, or those numbered before ``upto``.
 
-    Returns a new CPU tensor (with the strides eager construction gave it).
+    Returns a new tensor on ``base.device`` (with the strides eager construction gave it).
     """
     return _Replay().value(base, upto)
 

@@ -19,9 +19,11 @@ import torch
 from minifabric._torch import tree_flatten
 from minifabric.init.recipe import Base, Handle, Op, Real, Ref
 
-#: What :func:`adopt_inputs` takes: per random op ``(rng state, {generator kwarg: state})``, the
-#: real tensors in order, then per op the plain values of its arguments (see :func:`_arguments`).
-Inputs = tuple[list[tuple[torch.Tensor | None, dict[str, torch.Tensor]]], list[torch.Tensor], list[str]]
+#: What :func:`adopt_inputs` takes: per random op ``(CPU rng state, build device's rng state,
+#: {generator kwarg: state})``, the real tensors in order, then per op the plain values of its
+#: arguments (see :func:`_arguments`).
+_States = tuple[torch.Tensor | None, torch.Tensor | None, dict[str, torch.Tensor]]
+Inputs = tuple[list[_States], list[torch.Tensor], list[str]]
 
 _PLAIN = (bool, int, float, complex, str, type(None), torch.dtype)  # not devices: cuda:0 vs cuda:1
 
@@ -76,8 +78,9 @@ def init_inputs(handles: list[Handle]) -> Inputs:
     """The generator states of the random calls the recorded init of ``handles`` makes, and the real
     tensors it reads, in recording order (the same order on every rank that ran the same code)."""
     _, ops, reals = _walk(handles)
-    states = [(op.rng, dict(op.generators)) for op in ops if op.rng is not None or op.generators]
-    return states, reals, [_arguments(op) for op in ops]
+    states = [(op.rng, op.device_rng, dict(op.generators)) for op in ops if op.draws]
+    # CPU copies: sent to other ranks, a tensor on this rank's GPU would arrive on that GPU's index
+    return states, [real.detach().cpu() for real in reals], [_arguments(op) for op in ops]
 
 
 def digest(inputs: Inputs) -> str:
@@ -87,8 +90,9 @@ def digest(inputs: Inputs) -> str:
     h.update(f"{len(states)} {len(reals)}".encode())
     for call in arguments:
         h.update(call.encode() + b"\0")
-    for rng, generators in states:
+    for rng, device_rng, generators in states:
         h.update(b"-" if rng is None else _bytes(rng))
+        h.update(b"-" if device_rng is None else _bytes(device_rng))
         for name in sorted(generators):
             h.update(name.encode() + _bytes(generators[name]))
     for tensor in reals:
@@ -111,12 +115,14 @@ def adopt_inputs(handles: list[Handle], inputs: Inputs) -> None:
         ValueError: ``inputs`` does not fit this recording (the ranks built different models).
     """
     bases, ops, reals = _walk(handles)
-    random_ops = [op for op in ops if op.rng is not None or op.generators]
+    random_ops = [op for op in ops if op.draws]
     states, values, arguments = inputs
     fits = len(states) == len(random_ops) and len(values) == len(reals)
     fits = fits and all(
-        set(generators) == set(op.generators) and (rng is None) == (op.rng is None)
-        for (rng, generators), op in zip(states, random_ops, strict=False)
+        set(generators) == set(op.generators)
+        and (rng is None) == (op.rng is None)
+        and (device_rng is None) == (op.device_rng is None)
+        for (rng, device_rng, generators), op in zip(states, random_ops, strict=False)
     )
     fits = fits and all(
         v.shape == r.shape and v.dtype == r.dtype for v, r in zip(values, reals, strict=False)
@@ -137,8 +143,8 @@ def adopt_inputs(handles: list[Handle], inputs: Inputs) -> None:
             " rank alike before building the model and per rank after setup:"
             " `acc.seed_everything(1337); model = acc.setup(model); acc.seed_everything(1337 + acc.global_rank)`."
         )
-    for (rng, generators), op in zip(states, random_ops, strict=True):
-        op.rng, op.generators = rng, dict(generators)
+    for (rng, device_rng, generators), op in zip(states, random_ops, strict=True):
+        op.rng, op.device_rng, op.generators = rng, device_rng, dict(generators)
     with torch.no_grad():
         for value, real in zip(values, reals, strict=True):
             real.copy_(value)

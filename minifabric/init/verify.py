@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from minifabric._torch import module_construction_hook, tensor_version
+from minifabric.init.generators import drawing_from, states
 
 #: set to 1 to turn the self-check on for every ``init_module(empty_init=True)``
 VERIFY_ENV = "MINIFABRIC_VERIFY_INIT"
@@ -42,8 +43,9 @@ class _Construction:
     cls: type
     args: tuple
     kwargs: dict
-    rng_before: torch.Tensor
-    rng_after: torch.Tensor | None = None
+    device: torch.device  # the build device
+    rng_before: tuple  # the CPU's and the build device's generator states (generators.states)
+    rng_after: tuple | None = None
     host_before: tuple = ()  # Python's and numpy's global random states before construction
     #: name -> (the real tensor there when construction ended, its version counter then)
     real: dict[str, tuple[weakref.ref, int]] = field(default_factory=dict)
@@ -74,14 +76,15 @@ def verify_requested(verify: bool | None) -> bool:
 
 
 @contextmanager
-def noting_constructions() -> Iterator[None]:
-    """Inside, each outermost module construction is noted for :func:`self_check`."""
+def noting_constructions(device: torch.device | str = "cpu") -> Iterator[None]:
+    """Inside, each outermost module construction is noted for :func:`self_check` (built on ``device``)."""
+    device = torch.device(device)
     stack: list[nn.Module] = []
 
     def on_start(module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not stack:
             module.__dict__[_BUILT_ATTR] = _Construction(
-                type(module), args, kwargs, torch.get_rng_state(), host_before=_host_rng_state()
+                type(module), args, kwargs, device, states(device), host_before=_host_rng_state()
             )
         stack.append(module)
 
@@ -89,7 +92,7 @@ def noting_constructions() -> Iterator[None]:
         stack.pop()
         built = _construction(module)
         if not stack and built is not None:
-            built.rng_after = torch.get_rng_state()
+            built.rng_after = states(device)
             built.real = {
                 name: (weakref.ref(t), tensor_version(t))
                 for name, t in _named_tensors(module)
@@ -168,15 +171,17 @@ def self_check(
         )
         return None
     with (
-        torch.random.fork_rng(devices=[]),
+        drawing_from(*built.rng_before, built.device),
         _host_rng(built.host_before),
         build_context(),
-        torch.device("cpu"),
+        torch.device(built.device),
     ):
-        torch.set_rng_state(built.rng_before)
         eager = built.cls(*built.args, **built.kwargs)
-        after = torch.get_rng_state()
-    if built.rng_after is not None and not torch.equal(after, built.rng_after):
+        after = states(built.device)
+    if built.rng_after is not None and not all(
+        (a is None) == (b is None) and (a is None or torch.equal(a, b))
+        for a, b in zip(after, built.rng_after, strict=True)
+    ):
         raise InitMismatch(
             f"The random stream after building {built.cls.__name__} under `init_module(empty_init=True)`"
             " is not where eager construction leaves it: a random call in its `__init__` was not recorded."
@@ -220,6 +225,7 @@ def _compare(cls: type, name: str, value: torch.Tensor, expected: dict[str, torc
     want = expected.get(name)
     if want is None:
         raise InitMismatch(f"{cls.__name__}.{name} exists after meta init but not after eager construction.")
+    value = value.to(want.device)
     if want.shape != value.shape or want.dtype != value.dtype or not torch.equal(want, value):
         if want.shape == value.shape and want.dtype == value.dtype:
             differ = (

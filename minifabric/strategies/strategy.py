@@ -420,12 +420,13 @@ _ACTIVE_INIT: ContextVar[Strategy | None] = ContextVar("minifabric_active_init",
 
 @contextmanager
 def _module_init_context(strategy: Strategy, empty_init: bool, verify: bool) -> Generator[None, None, None]:
-    device = torch.device("cpu") if empty_init else strategy.root_device
+    # Meta init records on the device eager construction would use: the same random streams.
+    device = strategy.root_device
     token = _ACTIVE_INIT.set(strategy)
     try:
         with strategy.precision.tensor_init_context(), device:
             if empty_init:
-                with meta_init_context(verify=verify, keep=strategy.meta_init_part()):
+                with meta_init_context(verify=verify, keep=strategy.meta_init_part(), device=device):
                     yield
             else:
                 yield

@@ -74,37 +74,6 @@ def test_fsdp_with_meta_init_trains_on_one_gpu():
     assert all(torch.isfinite(torch.tensor(losses)))
 
 
-def _meta_init_on_cuda(rank, strategy):
-    from tests.gpu.common import mismatches
-    from tests.init_styles import NanoGPTStyle
-
-    acc = Accelerator(accelerator="cuda", strategy=strategy, devices=1)
-    acc.launch()
-    torch.manual_seed(0)
-    eager = NanoGPTStyle()  # on the CPU: meta init replays on the CPU generator
-    torch.manual_seed(0)
-    with acc.init_module(empty_init=True):
-        model = NanoGPTStyle()
-    model = acc.setup(model)
-    inner = model.module
-    local = [getattr(p, "_local_tensor", p) for p in inner.parameters()]
-    return {
-        # read without a collective: CPU-offloaded shards cannot go through nccl
-        "mismatches": mismatches(eager, model),
-        "param_devices": sorted({t.device.type for t in local}),
-        "buffer_devices": sorted({b.device.type for b in inner.buffers()}),
-    }
-
-
-@pytest.mark.parametrize("strategy", ["single", "fsdp", "fsdp_cpu_offload"])
-def test_meta_init_on_cuda_equals_eager_cpu_construction(strategy):
-    (result,) = run_distributed(_meta_init_on_cuda, 1, strategy, timeout=300)
-    assert result["mismatches"] == []
-    offloaded = strategy == "fsdp_cpu_offload"
-    assert result["param_devices"] == (["cpu"] if offloaded else ["cuda"])
-    assert result["buffer_devices"] == ["cuda"]
-
-
 def test_async_save_of_a_cuda_model_is_the_state_at_the_call(tmp_path):
     """The copy to page-locked CPU memory is taken before the call returns; later in-place updates stay out."""
     acc = Accelerator(accelerator="cuda", devices=1)

@@ -1,37 +1,122 @@
-"""Meta-device init on one GPU against eager construction on the GPU (``init_module(empty_init=False)``)."""
+"""Meta-device init on one GPU against eager construction on the GPU (``init_module(empty_init=False)``).
+
+On CUDA, eager construction draws from the device's generator; ``init_module(empty_init=True)`` records
+on the device and replays there, so both give the same weights and buffers, bitwise, and leave the CPU
+and CUDA generators in the same states, under every strategy (one GPU) and with the self-check on.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
+from torch import nn
 
 from minifabric import Accelerator
 from tests.gpu.common import CUDA_MARKS, mismatches
 from tests.helpers import run_distributed
-from tests.init_styles import NanoGPTStyle
 
 pytestmark = CUDA_MARKS
 
+STRATEGIES = ["single", "ddp", "fsdp", "fsdp_cpu_offload", "model_parallel"]
+FAMILIES = ["nanogpt", "hf", "reset", "vit", "llama"]
 
-def _meta_against_eager_on_device(rank: int, device: str, strategy: str) -> dict:
-    acc = Accelerator(accelerator=device, strategy=strategy, devices=1)
+
+def _build(family: str) -> Callable[[], nn.Module]:
+    from tests import hf_tiny
+    from tests.init_styles import STYLES
+
+    return STYLES[family] if family in STYLES else lambda: hf_tiny.build(family)
+
+
+def _strategy(name: str):
+    from minifabric import ModelParallelStrategy
+
+    if name == "model_parallel":
+        return ModelParallelStrategy(lambda model, mesh: model, data_parallel_size=1, tensor_parallel_size=1)
+    return name
+
+
+def _streams() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.get_rng_state(), torch.cuda.get_rng_state()
+
+
+def _meta_against_eager_on_device(rank: int, strategy: str, families: list[str], verify: bool) -> dict:
+    acc = Accelerator(accelerator="cuda", strategy=_strategy(strategy), devices=1)
     acc.launch()
-    torch.manual_seed(0)
-    with acc.init_module(empty_init=False):
-        eager = NanoGPTStyle()  # on the device, with the device's generator
-    eager_devices = sorted({p.device.type for p in eager.parameters()})
-    torch.manual_seed(0)
+    out = {}
+    for family in families:
+        build = _build(family)
+        torch.manual_seed(0)
+        with acc.init_module(empty_init=False):
+            eager = build()  # on the device, with the device's generator
+        eager_streams = _streams()
+        eager_devices = sorted({t.device.type for t in (*eager.parameters(), *eager.buffers())})
+        torch.manual_seed(0)
+        with acc.init_module(empty_init=True, verify=verify):
+            model = build()
+        meta_streams = _streams()
+        model = acc.setup(model)
+        out[family] = {
+            "mismatches": mismatches(eager, model),
+            "eager_devices": eager_devices,
+            "cpu_stream_equal": torch.equal(eager_streams[0], meta_streams[0]),
+            "cuda_stream_equal": torch.equal(eager_streams[1], meta_streams[1]),
+            "cuda_stream_moved": not torch.equal(eager_streams[1], _seeded_cuda_stream()),
+        }
+    return out
+
+
+def _seeded_cuda_stream() -> torch.Tensor:
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
+        torch.manual_seed(0)
+        return torch.cuda.get_rng_state()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_meta_init_on_cuda_equals_eager_construction_on_cuda(strategy: str) -> None:
+    pytest.importorskip("transformers")
+    (result,) = run_distributed(_meta_against_eager_on_device, 1, strategy, FAMILIES, False, timeout=300)
+    for family, found in result.items():
+        assert found["eager_devices"] == ["cuda"], family
+        assert found["mismatches"] == [], family
+        assert found["cuda_stream_moved"], f"{family}: the eager build drew nothing from the CUDA generator"
+        assert found["cuda_stream_equal"], (
+            f"{family}: the CUDA generator is not where eager construction leaves it"
+        )
+        assert found["cpu_stream_equal"], (
+            f"{family}: the CPU generator is not where eager construction leaves it"
+        )
+
+
+@pytest.mark.parametrize("strategy", ["single", "fsdp"])
+def test_the_self_check_on_cuda_compares_with_eager_construction_on_cuda(strategy: str) -> None:
+    (result,) = run_distributed(
+        _meta_against_eager_on_device, 1, strategy, ["nanogpt", "hf"], True, timeout=240
+    )
+    for family, found in result.items():
+        assert found["mismatches"] == [], family
+        assert found["cuda_stream_equal"] and found["cpu_stream_equal"], family
+
+
+def _placement(rank: int, strategy: str) -> dict:
+    from tests.init_styles import NanoGPTStyle
+
+    acc = Accelerator(accelerator="cuda", strategy=strategy, devices=1)
+    acc.launch()
     with acc.init_module(empty_init=True):
         model = NanoGPTStyle()
-    model = acc.setup(model)
-    return {"mismatches": mismatches(eager, model), "eager_devices": eager_devices}
+    inner = acc.setup(model).module
+    local = [getattr(p, "_local_tensor", p) for p in inner.parameters()]
+    return {
+        "param_devices": sorted({t.device.type for t in local}),
+        "buffer_devices": sorted({b.device.type for b in inner.buffers()}),
+    }
 
 
-@pytest.mark.xfail(
-    strict=False, reason="meta init on CUDA replays the CPU generator today (device replay not built yet)"
-)
-@pytest.mark.parametrize("strategy", ["single", "fsdp"])
-def test_meta_init_on_cuda_equals_eager_construction_on_cuda(strategy):
-    (result,) = run_distributed(_meta_against_eager_on_device, 1, "cuda", strategy, timeout=240)
-    assert result["eager_devices"] == ["cuda"]
-    assert result["mismatches"] == []
+@pytest.mark.parametrize("strategy", ["single", "fsdp", "fsdp_cpu_offload"])
+def test_meta_init_on_cuda_puts_parameters_and_buffers_where_eager_setup_does(strategy: str) -> None:
+    (result,) = run_distributed(_placement, 1, strategy, timeout=240)
+    assert result["param_devices"] == (["cpu"] if strategy == "fsdp_cpu_offload" else ["cuda"])
+    assert result["buffer_devices"] == ["cuda"]

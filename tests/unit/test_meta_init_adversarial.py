@@ -143,11 +143,9 @@ def _hf(family: str) -> nn.Module:
             tf.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)
         )
     if family == "llama":
-        config = tf.LlamaConfig(
-            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, max_position_embeddings=32,
-        )  # fmt: skip
-        return tf.LlamaForCausalLM(config)
+        from tests.hf_tiny import build
+
+        return build("llama")
     if family == "bert":
         config = tf.BertConfig(
             vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,

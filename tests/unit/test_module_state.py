@@ -40,6 +40,7 @@ STATE_HOLDERS = {"minifabric/runtime/rank.py", "minifabric/process.py"}
 #: calls whose result cannot be changed in place, by their dotted name as written
 IMMUTABLE_CALLS = {
     "frozenset",
+    "torch.device",  # read-only attributes
     "tuple",
     "str",
     "int",
