@@ -123,3 +123,51 @@ def mismatches(expected: nn.Module, actual: nn.Module) -> list[str]:
     """Names whose values differ (bitwise) between two models, or that only one of them has."""
     a, b = full_state(expected), full_state(actual)
     return sorted(set(a) ^ set(b)) + [k for k in a if k in b and not torch.equal(a[k], b[k])]
+
+
+def kept_parts_against_dense(device: str, parts: int, dtype: torch.dtype = torch.float32) -> list[str]:
+    """Build a model under meta init as each of ``parts`` ranks would (``keep=(parts, rank)``) on
+    ``device``; compare every kept part with the same rows of eager construction on ``device``.
+
+    Returns the differences, as ``"rank r: name"`` (and ``"rank r: stream"`` when the device's
+    generator after construction is not where eager construction leaves it). Uneven sizes (rows not
+    divisible by ``parts``) and an init of several rounds of random numbers are included.
+    """
+    from minifabric.init import meta_init_context
+    from minifabric.init.attach import handle_of
+
+    def build() -> nn.Module:
+        model = nn.Sequential(
+            nn.Embedding(1000, 37, dtype=dtype), nn.Linear(37, 203, dtype=dtype), nn.Linear(203, 5, dtype=dtype)
+        )
+        nn.init.trunc_normal_(model[1].weight, std=0.02)
+        return model
+
+    def stream() -> torch.Tensor:
+        return torch.cuda.get_rng_state() if device == "cuda" else torch.get_rng_state()
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        eager = build()
+    eager_stream = stream()
+    wrong = []
+    for rank in range(parts):
+        torch.manual_seed(0)
+        with torch.device(device), meta_init_context(keep=(parts, rank), device=device):
+            model = build()
+        if not torch.equal(stream(), eager_stream):
+            wrong.append(f"rank {rank}: stream")
+        compared = 0
+        for (name, p), want in zip(model.named_parameters(), eager.parameters(), strict=True):
+            kept = handle_of(p).base.kept
+            if kept is None:
+                continue  # replayed at setup (a later op made the kept part stale)
+            compared += 1
+            (n, r), part = kept
+            chunks = want.detach().chunk(parts, 0)
+            expected = chunks[rank] if rank < len(chunks) else want.detach()[:0]
+            if (n, r) != (parts, rank) or part.device.type != device or not torch.equal(part, expected):
+                wrong.append(f"rank {rank}: {name}")
+        if compared < 3:  # the embedding and both weights draw first: each keeps its part
+            wrong.append(f"rank {rank}: only {compared} kept parts")
+    return wrong

@@ -120,3 +120,12 @@ def test_meta_init_on_cuda_puts_parameters_and_buffers_where_eager_setup_does(st
     (result,) = run_distributed(_placement, 1, strategy, timeout=240)
     assert result["param_devices"] == (["cpu"] if strategy == "fsdp_cpu_offload" else ["cuda"])
     assert result["buffer_devices"] == ["cuda"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("parts", [2, 3, 8])
+def test_each_rank_keeps_its_rows_of_the_dense_draw_on_cuda(parts: int, dtype: torch.dtype) -> None:
+    """Every rank of an FSDP world of ``parts`` keeps exactly its rows of eager construction on the GPU."""
+    from tests.init_styles import kept_parts_against_dense
+
+    assert kept_parts_against_dense("cuda", parts, dtype) == []

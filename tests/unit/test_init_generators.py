@@ -6,6 +6,7 @@ the GPU: tests/gpu/test_cuda_init.py); here the build device is the CPU: one str
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -64,3 +65,11 @@ def test_an_explicit_generator_is_replayed_on_its_own_device():
     materialize_into.w = w
     materialize(materialize_into)
     assert torch.equal(materialize_into.w, torch.empty(8).normal_(generator=torch.Generator().manual_seed(3)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("parts", [2, 3, 8])
+def test_each_rank_keeps_its_rows_of_the_dense_draw(parts: int, dtype: torch.dtype) -> None:
+    from tests.init_styles import kept_parts_against_dense
+
+    assert kept_parts_against_dense("cpu", parts, dtype) == []
