@@ -44,8 +44,8 @@ class _Construction:
     args: tuple
     kwargs: dict
     device: torch.device  # the build device
-    rng_before: tuple  # the CPU's and the build device's generator states (generators.states)
-    rng_after: tuple | None = None
+    rng_before: tuple[torch.Tensor, torch.Tensor | None]  # the CPU's and the build device's (generators.states)
+    rng_after: tuple[torch.Tensor, torch.Tensor | None] | None = None
     host_before: tuple = ()  # Python's and numpy's global random states before construction
     #: name -> (the real tensor there when construction ended, its version counter then)
     real: dict[str, tuple[weakref.ref, int]] = field(default_factory=dict)
