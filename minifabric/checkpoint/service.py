@@ -36,6 +36,9 @@ from minifabric.checkpoint.staging import Staging, stage
 class SaveHandle:
     """Returned by ``acc.save(..., asynchronous=True)``; ``wait()`` blocks until the checkpoint is committed.
 
+    ``staged`` maps each route of the copy taken at the call (``"cpu"``, ``"page-locked"``,
+    ``"device"``, ``"pageable"``) to the bytes it copied.
+
     Example:
         >>> handle = acc.save("ckpt", state, asynchronous=True)  # doctest: +SKIP
         >>> ...  # keep training
@@ -46,8 +49,6 @@ class SaveHandle:
         self, path: Path, write: Callable[[], None] | None = None, staged: dict[str, int] | None = None
     ) -> None:
         self.path = path
-        #: bytes copied by route before the call returned ("cpu", "page-locked", "device", "pageable";
-        #: docs/checkpoints.md, "Asynchronous save")
         self.staged = {} if staged is None else staged
         self.error: BaseException | None = None
         self.reported = False  # whether wait() raised the failure to someone

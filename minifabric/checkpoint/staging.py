@@ -99,7 +99,7 @@ class DeviceCopies:
 
         With ``hold``, the device's current stream waits for it too, on the device.
         """
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)  # a thread waiting for it sleeps instead of spinning a core
         event.record(stream)
         if hold:
             torch.cuda.current_stream(stream.device).wait_event(event)
