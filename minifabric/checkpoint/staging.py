@@ -196,9 +196,11 @@ class Snapshot:
         if route is None:
             return leaf
         local = leaf.to_local() if isinstance(leaf, DTensor) else leaf
-        buffer = self.staging.allocate(path, local, pinned=True)
-        if route == "pageable":  # the call's copy is written; the buffer is for the next save
+        if route == "pageable":  # the call's copy is written; a page-locked buffer for the next save
+            if self.staging.pinning:
+                self.staging.allocate(path, local, pinned=True)
             return leaf
+        buffer = self.staging.allocate(path, local, pinned=True)
         device = self.staging.device
         stream = device.stream(local.device)
         device.copy(stream, buffer, local)

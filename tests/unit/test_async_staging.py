@@ -134,16 +134,20 @@ def test_without_room_on_the_device_the_first_save_copies_to_pageable_memory_and
     assert dict(stage(_state(), staging).routes) == {"page-locked": DEVICE_BYTES, "cpu": 3 * 4}
 
 
-def test_failed_page_locking_falls_back_to_pageable_memory_with_one_warning_per_process(monkeypatch):
-    """Not one per tensor, per save or per checkpointer; the saves stay exact."""
+@pytest.mark.parametrize("free", [1 << 40, DEVICE_BYTES], ids=["device-room", "no-room"])
+def test_failed_page_locking_falls_back_to_pageable_memory_with_one_warning_per_process(monkeypatch, free):
+    """Not one per tensor, per save or per checkpointer; the saves stay exact and reuse their buffers."""
     monkeypatch.setattr(process, "_once", set())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):  # two checkpointers (two Accelerators in one process)
-            device = FakeDevice(pin_error="CUDA error: out of memory (cudaHostAlloc)")
+            device = FakeDevice(free, pin_error="CUDA error: out of memory (cudaHostAlloc)")
             staging = Staging(device)
+            kept = []
             for scale in (1.0, 2.0, 3.0):
                 assert _equal(stage(_state(scale), staging).take(), _state(scale))
+                kept.append(dict(staging.buffers))
+            assert all(kept[2][path] is kept[1][path] for path in kept[1])
             assert device.log.count("pin") == 1  # tried once, then pageable for good
             assert not staging.pinning and staging.pinned == set()
             assert dict(stage(_state(), staging).routes) == {"pageable": DEVICE_BYTES, "cpu": 3 * 4}
