@@ -286,6 +286,16 @@ _patches_lock = threading.Lock()
 _patches: dict[str, tuple[int, Callable[[], None]]] = {}  # name -> (open blocks, undo)
 _chores_lock = threading.Lock()
 _chores: dict[str, threading.Thread] = {}  # name -> the thread of the last chore of that name
+_once_lock = threading.Lock()
+_once: set[str] = set()  # the names once() has seen
+
+
+def once(name: str) -> bool:
+    """True at the first call with ``name`` in this process, False after (thread-safe): a warning shown once."""
+    with _once_lock:
+        first = name not in _once
+        _once.add(name)
+        return first
 
 
 def next_number() -> int:

@@ -7,8 +7,9 @@ strategy, and strategies import nothing from ``checkpoint/``.
 A save is ``saving.prepare -> collect -> write -> commit`` (``save.py``), a load is ``load.load``
 (``load.py``). For an asynchronous save, ``prepare`` and ``collect`` run on the calling thread,
 which then copies every tensor of the state to CPU before the call returns (the checkpoint is the
-state at the call, whatever changes in place afterwards); a background thread agrees on that copy
-and writes and commits it over the checkpoint's own gloo group, while training goes on. A later
+state at the call, whatever changes in place afterwards; CUDA tensors are copied on a side stream
+that the call does not wait for, see ``staging.py``); a background thread waits for that copy,
+agrees on it and writes and commits it over the checkpoint's own gloo group, while training goes on. A later
 save or load waits for that write first; at exit a failure nobody saw is printed on every rank
 and the exit status is 1.
 """
@@ -29,11 +30,14 @@ from minifabric.checkpoint import raw
 from minifabric.checkpoint import save as saving
 from minifabric.checkpoint.comm import Comm
 from minifabric.checkpoint.errors import CheckpointError
-from minifabric.checkpoint.tensors import stage
+from minifabric.checkpoint.staging import Staging, stage
 
 
 class SaveHandle:
     """Returned by ``acc.save(..., asynchronous=True)``; ``wait()`` blocks until the checkpoint is committed.
+
+    ``staged`` maps each route of the copy taken at the call (``"cpu"``, ``"page-locked"``,
+    ``"device"``, ``"pageable"``) to the bytes it copied.
 
     Example:
         >>> handle = acc.save("ckpt", state, asynchronous=True)  # doctest: +SKIP
@@ -41,8 +45,11 @@ class SaveHandle:
         >>> handle.wait()  # doctest: +SKIP
     """
 
-    def __init__(self, path: Path, write: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, path: Path, write: Callable[[], None] | None = None, staged: dict[str, int] | None = None
+    ) -> None:
         self.path = path
+        self.staged = {} if staged is None else staged
         self.error: BaseException | None = None
         self.reported = False  # whether wait() raised the failure to someone
         self._thread: threading.Thread | None = None
@@ -93,7 +100,7 @@ class Checkpointer:
         self._comm: Comm | None = None
         self._pending: SaveHandle | None = None
         # CPU copies of the last asynchronous save, reused by the next one (one model copy in RAM).
-        self._buffers: dict[tuple, Any] = {}
+        self._staging = Staging()
         self._exit_hook: Callable[[], None] | None = None  # cancels the exit hook
 
     @property
@@ -138,37 +145,48 @@ class Checkpointer:
                 saving.write(job, payload)
                 saving.commit(job, payload)
                 return None
-            staged = self._snapshot(payload)
+            copied, routes = self._snapshot(payload)
 
         def in_background() -> None:
-            agreed = saving.agree_collected(job, staged)  # a copy failed on one rank fails it on every rank
+            agreed = saving.agree_collected(job, copied())  # a copy failed on one rank fails it on every rank
             saving.write(job, agreed)
             saving.commit(job, agreed)
 
-        self._pending = SaveHandle(path, in_background)
+        self._pending = SaveHandle(path, in_background, routes)
         if self._exit_hook is None:
             self._exit_hook = process.at_exit(self._report_at_exit)
         return self._pending
 
-    def _snapshot(self, payload: saving.Payload) -> saving.Payload:
-        """A CPU copy of everything ``payload`` holds, taken before ``save`` returns.
+    def _snapshot(self, payload: saving.Payload) -> tuple[Callable[[], saving.Payload], dict[str, int]]:
+        """A CPU copy of everything ``payload`` holds, as of the call: what gives it, and the bytes by route.
 
         The tensors, the side record and this rank's record (stateful objects' state dicts) are
         copied, so nothing training does afterwards (``optimizer.step()``, an update by hand, a
         tensor among ``state``'s values changed in place) reaches the checkpoint. The copies reuse
-        the previous save's buffers. A failure is kept for the agreement, which raises it on every rank;
-        Ctrl-C (or ``SystemExit``) while collecting or copying is raised here, on the calling thread.
+        the previous save's buffers. The returned function, called by the background thread, waits
+        for the copies still running on a device and gives the payload to write. A failure is kept
+        for the agreement, which raises it on every rank; Ctrl-C (or ``SystemExit``) while collecting
+        or copying is raised here, on the calling thread.
         """
         error, record = payload.pending
         if error is not None and not isinstance(error, Exception):
             raise error
         if error is not None:
-            return payload
+            return lambda: payload, {}
         try:
-            tensors, tree, record = stage((payload.tensors, payload.record, record), self._buffers)
+            snapshot = stage((payload.tensors, payload.record, record), self._staging)
         except Exception as err:  # raised on every rank by the agreement
-            return saving.Payload(payload.tensors, payload.record, (err, record))
-        return saving.Payload(tensors, tree, (None, record))
+            failed = saving.Payload(payload.tensors, payload.record, (err, record))
+            return lambda: failed, {}
+
+        def copied() -> saving.Payload:
+            try:
+                tensors, tree, rank_record = snapshot.take()
+            except Exception as err:  # raised on every rank by the agreement
+                return saving.Payload(None, None, (err, record))
+            return saving.Payload(tensors, tree, (None, rank_record))
+
+        return copied, dict(snapshot.routes)
 
     def _report_at_exit(self) -> None:
         """At interpreter exit (the save thread has ended): a failed background save nobody saw fails the process.

@@ -1,12 +1,11 @@
-"""Tensor plumbing shared by the checkpoint stages: walking trees, placing shards, CPU copies.
+"""Tensor plumbing shared by the checkpoint stages: walking trees, placing shards, gathering.
 
 Tensor references (what a sharded checkpoint's side record holds in place of each tensor) are
-defined in ``format.py``.
+defined in ``format.py``; the copies of an asynchronous save are made by ``staging.py``.
 """
 
 from __future__ import annotations
 
-import copy as copy_module
 from collections.abc import Callable
 from typing import Any
 
@@ -93,63 +92,6 @@ def gather_full(tree: Any, keep: bool) -> Any:
         return leaf
 
     return map_tree(tree, full)
-
-
-def _copy_into(tensor: torch.Tensor, key: tuple, buffers: dict[tuple, torch.Tensor]) -> torch.Tensor:
-    """A CPU copy of ``tensor``, written into the buffer kept under ``key`` when one of its kind exists.
-
-    The buffer of a CUDA tensor is page-locked: the device-to-host copy, which the caller waits
-    for, then runs several times faster than into pageable memory. A tensor that is not a plain
-    dense one (sparse, quantized, nested, a subclass) gets a copy of its own kind instead: a
-    dense buffer cannot hold it, or would hold it converted.
-    """
-    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or (
-        tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested
-    ):
-        return tensor.detach().to("cpu", copy=True)
-    buffer = buffers.get(key)
-    pinned = tensor.is_cuda
-    if (
-        buffer is None
-        or buffer.shape != tensor.shape
-        or buffer.dtype != tensor.dtype
-        or buffer.is_pinned() != pinned
-    ):
-        buffer = buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
-    return buffer.copy_(tensor.detach())
-
-
-#: leaves that cannot change in place (every other leaf is copied by :func:`stage`)
-_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
-
-
-def stage(tree: Any, buffers: dict[tuple, torch.Tensor] | None = None) -> Any:
-    """A copy of ``tree`` that nothing done to ``tree`` afterwards changes: tensors copied to CPU.
-
-    DTensors keep their layout; containers are rebuilt, and any other mutable leaf (a set, a
-    user's object) is deep-copied, so training may go on while the copy is written. With
-    ``buffers`` (kept by the caller between saves), the copies reuse the buffers of the previous
-    save: the copy is then a plain memcpy, without allocating and faulting in fresh memory. Only
-    this save's buffers are kept (a key a later save does not name would otherwise hold its
-    memory for the rest of the run). A buffer is keyed by the leaf's path itself (no joined
-    string, under which ``{"a/b": x}`` and ``{"a": {"b": y}}``, or the keys ``0`` and ``"0"``,
-    would share one buffer and save ``y`` twice).
-    """
-    buffers = {} if buffers is None else buffers
-    used: set[tuple] = set()
-
-    def copy(path: tuple, leaf: Any) -> Any:
-        used.add(path)
-        if isinstance(leaf, DTensor):
-            return shard_like(_copy_into(leaf.to_local(), path, buffers), leaf)
-        if isinstance(leaf, torch.Tensor):
-            return _copy_into(leaf, path, buffers)
-        return leaf if isinstance(leaf, _IMMUTABLE) else copy_module.deepcopy(leaf)
-
-    staged = map_tree(tree, copy)
-    for key in buffers.keys() - used:  # kept are the buffers of this save only
-        del buffers[key]
-    return staged
 
 
 def equal(a: Any, b: Any) -> bool:

@@ -1,5 +1,6 @@
 """Checkpoints on one GPU: save, load and async save; a GPU checkpoint loads on the CPU and the other way
-round; Hugging Face safetensors load into CUDA shards. Each side runs in its own process."""
+round; Hugging Face safetensors load into CUDA shards; the async save's staging (side stream,
+page-locked buffers, the first save, the fallback). Each side runs in its own process."""
 
 from __future__ import annotations
 
@@ -98,3 +99,94 @@ def test_load_raw_of_safetensors_fills_the_cuda_shards(tmp_path: Path):
     assert result["devices"] == ["cuda"]
     expected = cpu_state(source)
     assert [k for k, v in expected.items() if not torch.equal(v, result["model"][k])] == []
+
+
+#: about a second of a spinning kernel: the device is still busy with it when the save's call returns
+SLEEP_CYCLES = 2_000_000_000
+
+
+def _save_during_training(rank: int, path: str, mode: str) -> dict:
+    """Three async saves, each called while the device still runs work queued before it (a spin, then
+    an in-place update that belongs to the state at the call), and followed at once by in-place writes
+    and a step. ``mode``: "default"; "no-room" (no free device memory for the first save's device copy);
+    "pin-fails" (page-locking raises, as at the host's limit)."""
+    import warnings
+
+    from minifabric import process
+    from minifabric.checkpoint import staging
+
+    if mode == "no-room":
+        staging.DeviceCopies.free_bytes = lambda self, device: 0
+    if mode == "pin-fails":
+
+        def refuse(self, shape, dtype):
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc refused, simulated)")
+
+        staging.DeviceCopies.pin = refuse
+    process._once.clear()
+    acc = Accelerator(accelerator="cuda", strategy="fsdp", devices=1)
+    acc.launch()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = acc.setup(model, optimizer)
+    x = torch.randn(16, 2048, device=acc.device)
+
+    def step() -> None:
+        acc.backward(model(x).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    out: dict = {"routes": [], "busy": [], "kept": [], "expected": []}
+    kept = acc._checkpointer._staging
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(3):
+            before = {"model": cpu_state(model), "moments": adam_moments(model, optimizer)}  # synchronizes
+            torch.cuda._sleep(SLEEP_CYCLES)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)  # queued behind the spin: part of the state at the call
+            handle = acc.save(f"{path}/{i}", {"model": model, "optimizer": optimizer}, asynchronous=True)
+            # the device still spins: the call waited neither for it nor for the copy queued behind it
+            out["busy"].append(not torch.cuda.current_stream().query())
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(-3.0)  # written in place right after the call: must not reach the checkpoint
+            step()
+            handle.wait()
+            out["routes"].append(sorted(k for k, v in handle.staged.items() if k != "cpu" and v))
+            out["kept"].append({str(k): (b.data_ptr(), b.is_pinned()) for k, b in kept.buffers.items()})
+            expected = {k: v + 1.0 for k, v in before["model"].items()}
+            out["expected"].append({"model": expected, "moments": before["moments"]})
+    out["warnings"] = [str(w.message) for w in caught if "Page-locking" in str(w.message)]
+    out["loaded"] = []
+    for i in range(3):
+        acc.load(f"{path}/{i}", {"model": model, "optimizer": optimizer})
+        out["loaded"].append({"model": cpu_state(model), "moments": adam_moments(model, optimizer)})
+    return out
+
+
+@pytest.mark.parametrize("mode", ["default", "no-room", "pin-fails"])
+def test_async_save_on_cuda_holds_the_state_at_the_call_while_training_goes_on(tmp_path: Path, mode: str):
+    """The copies run on a side stream (the call returns while the device is busy), the current stream
+    waits for them (in-place writes right after the call do not reach the checkpoint), later saves
+    reuse the page-locked buffers, and a failed page-locking falls back to pageable memory, warned once."""
+    (out,) = run_distributed(_save_during_training, 1, str(tmp_path), mode, timeout=240)
+    assert out["busy"] == [True, True, True]
+    for expected, loaded in zip(out["expected"], out["loaded"], strict=True):
+        for part in ("model", "moments"):
+            assert expected[part].keys() == loaded[part].keys()
+            assert [k for k, v in expected[part].items() if not torch.equal(v, loaded[part][k])] == []
+    first = {"default": ["device"], "no-room": ["pageable"], "pin-fails": ["device"]}[mode]
+    later = ["pageable"] if mode == "pin-fails" else ["page-locked"]
+    assert out["routes"] == [first, later, later]
+    first_kept, second, third = out["kept"]
+    assert first_kept == second == third  # the buffers the first save's background thread made, reused
+    pinned = [key for key, (_, is_pinned) in third.items() if is_pinned]
+    if mode == "pin-fails":
+        assert pinned == [] and len(out["warnings"]) == 1
+        assert "cudaHostAlloc refused" in out["warnings"][0]
+    else:
+        assert len(pinned) >= 12 and out["warnings"] == []  # 4 parameters and their 2 moments each

@@ -196,5 +196,5 @@ def test_async_save_keeps_only_the_last_saves_copies(tmp_path):
     kept = []
     for step in range(3):
         acc.save(tmp_path / "ckpt.pt", {"model": model, f"loss-{step}": torch.ones(1000)}, asynchronous=True).wait()
-        kept.append(sum(buffer.numel() for buffer in acc._checkpointer._buffers.values()))
+        kept.append(sum(buffer.numel() for buffer in acc._checkpointer._staging.buffers.values()))
     assert kept[0] == kept[1] == kept[2]
