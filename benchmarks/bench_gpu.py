@@ -20,7 +20,8 @@ every round); a ratio is the median of the per-round ratios. Phases:
 - ``checkpoint``: save and load GB/s of the model and AdamW state against raw ``dcp.save`` /
   ``dcp.load`` of the same state (loads read what was just written: the page cache); and the time
   the loop loses to ``save(..., asynchronous=True)`` (the call, plus what the following steps take
-  beyond a normal step, plus any wait) over a synchronous save, at the first and the third save.
+  beyond a normal step, plus any wait) over a synchronous save, at the first and the third save,
+  with the bytes each save copied by route (``handle.staged``: page-locked, device, pageable).
 
 MFU counts 6N + 12*L*d*T FLOPs per token, N the parameters without the two embedding tables (a
 lookup does no FLOPs; the untied output layer is a matmul and counts), against ``--peak-tflops``.

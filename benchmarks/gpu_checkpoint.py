@@ -82,7 +82,8 @@ def measure_checkpoints(bench: Any, acc: Accelerator, model: nn.Module, optimize
         waited = bench.timed(handle.wait)
         lost = blocking + extra + waited
         asynchronous.append({"blocking_s": blocking, "extra_step_s": extra, "steps_overlapped": steps,
-                             "wait_s": waited, "lost_s": lost, "lost_over_sync_save": lost / sync_save})  # fmt: skip
+                             "wait_s": waited, "lost_s": lost, "lost_over_sync_save": lost / sync_save,
+                             "bytes_by_route": dict(getattr(handle, "staged", {}))})  # fmt: skip
         shutil.rmtree(path)
         for _ in range(2):
             step()
