@@ -44,7 +44,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from minifabric import process
-from minifabric.checkpoint.tensors import map_tree, shard_like
+from minifabric._torch import with_local
+from minifabric.checkpoint.tensors import map_tree
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ class Snapshot:
         stream = device.stream(local.device)
         device.copy(stream, buffer, local)
         device.done(stream, hold=False).synchronize()
-        return shard_like(buffer, leaf) if isinstance(leaf, DTensor) else buffer
+        return with_local(buffer, leaf) if isinstance(leaf, DTensor) else buffer
 
 
 def _plain(tensor: torch.Tensor) -> bool:
@@ -274,7 +275,7 @@ def stage(tree: Any, staging: Staging) -> Snapshot:
     def copy(path: tuple, leaf: Any) -> Any:
         used.add(path)
         if isinstance(leaf, DTensor):
-            return shard_like(to_cpu(path, leaf.to_local()), leaf)
+            return with_local(to_cpu(path, leaf.to_local()), leaf)  # not from_local: it moves the copy back
         if isinstance(leaf, torch.Tensor):
             return to_cpu(path, leaf)
         return leaf if isinstance(leaf, _IMMUTABLE) else copy_module.deepcopy(leaf)
