@@ -198,3 +198,20 @@ def test_async_save_keeps_only_the_last_saves_copies(tmp_path):
         acc.save(tmp_path / "ckpt.pt", {"model": model, f"loss-{step}": torch.ones(1000)}, asynchronous=True).wait()
         kept.append(sum(buffer.numel() for buffer in acc._checkpointer._staging.buffers.values()))
     assert kept[0] == kept[1] == kept[2]
+
+
+def test_the_kept_copies_go_with_the_accelerator(tmp_path):
+    """The exit report of a failed save held the checkpointer, and with it a copy of the state
+    (page-locked on a GPU), until the interpreter ended: one more per Accelerator of a sweep."""
+    import gc
+    import weakref
+
+    acc = Accelerator(accelerator="cpu")
+    acc.launch()
+    model = acc.setup(torch.nn.Linear(4, 4))
+    acc.save(tmp_path / "ckpt.pt", {"model": model}, asynchronous=True).wait()
+    kept = [weakref.ref(buffer) for buffer in acc._checkpointer._staging.buffers.values()]
+    assert kept
+    del acc, model
+    gc.collect()
+    assert [ref for ref in kept if ref() is not None] == []
