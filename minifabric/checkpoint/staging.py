@@ -189,7 +189,14 @@ class Snapshot:
             event.synchronize()
         tree, self.tree = self.tree, None
         if self.landing:
-            tree = map_tree(tree, self._land)
+            landed: dict[int, Any] = {}  # a copy that two names hold lands once, for both
+
+            def land(path: tuple, leaf: Any) -> Any:
+                if id(leaf) not in landed:
+                    landed[id(leaf)] = self._land(path, leaf)
+                return landed[id(leaf)]
+
+            tree = map_tree(tree, land)
         return tree
 
     def _land(self, path: tuple, leaf: Any) -> Any:
@@ -219,12 +226,14 @@ def _plain(tensor: torch.Tensor) -> bool:
 def _device_room(tree: Any, staging: Staging) -> dict[torch.device, bool]:
     """Per device: whether the copies of its tensors without a buffer fit in ``DEVICE_SHARE`` of its free memory."""
     needed: Counter = Counter()
+    seen: set[int] = set()  # a tensor named twice is copied once
 
     def count(path: tuple, leaf: Any) -> Any:
         local = leaf.to_local() if isinstance(leaf, DTensor) else leaf
         if isinstance(local, torch.Tensor) and _plain(local) and staging.device.serves(local):
-            if not staging.fits(path, local, on_device=True):
+            if id(leaf) not in seen and not staging.fits(path, local, on_device=True):
                 needed[local.device] += local.nbytes
+            seen.add(id(leaf))
         return leaf
 
     map_tree(tree, count)
@@ -272,13 +281,22 @@ def stage(tree: Any, staging: Staging) -> Snapshot:
         snapshot.routes[route] += tensor.nbytes
         return target
 
+    # a tensor or object named twice (tied weights) is copied once and both names hold that copy,
+    # as the synchronous save writes it once; the tree holds every leaf, so no id is reused meanwhile
+    copies: dict[int, Any] = {}
+
     def copy(path: tuple, leaf: Any) -> Any:
         used.add(path)
-        if isinstance(leaf, DTensor):
-            return with_local(to_cpu(path, leaf.to_local()), leaf)  # not from_local: it moves the copy back
-        if isinstance(leaf, torch.Tensor):
-            return to_cpu(path, leaf)
-        return leaf if isinstance(leaf, _IMMUTABLE) else copy_module.deepcopy(leaf)
+        if isinstance(leaf, _IMMUTABLE):
+            return leaf
+        if id(leaf) not in copies:
+            if isinstance(leaf, DTensor):  # not from_local: it moves the copy back to the mesh's device
+                copies[id(leaf)] = with_local(to_cpu(path, leaf.to_local()), leaf)
+            elif isinstance(leaf, torch.Tensor):
+                copies[id(leaf)] = to_cpu(path, leaf)
+            else:
+                copies[id(leaf)] = copy_module.deepcopy(leaf, copies)  # the memo: shared parts stay shared
+        return copies[id(leaf)]
 
     try:
         snapshot.tree = map_tree(tree, copy)

@@ -215,3 +215,22 @@ def test_the_kept_copies_go_with_the_accelerator(tmp_path):
     del acc, model
     gc.collect()
     assert [ref for ref in kept if ref() is not None] == []
+
+
+@pytest.mark.parametrize("strategy", ["auto", "fsdp"])
+def test_async_save_keeps_values_that_share_a_tensor_sharing_it_as_the_synchronous_save_does(tmp_path, strategy):
+    acc = Accelerator(accelerator="cpu", devices=1, strategy=strategy)
+    acc.launch()
+    model = acc.setup(torch.nn.Linear(4, 4))
+    ema, seen = torch.ones(3), {1, 2}
+    for asynchronous in (False, True):
+        values = {"ema": ema, "alias": ema, "seen": seen, "seen again": seen}
+        handle = acc.save(tmp_path / f"{asynchronous}", {"model": model, "v": values}, asynchronous=asynchronous)
+        if handle is not None:
+            handle.wait()
+        state = {"model": model, "v": None}
+        acc.load(tmp_path / f"{asynchronous}", state)
+        assert state["v"]["ema"] is state["v"]["alias"] or (
+            state["v"]["ema"].data_ptr() == state["v"]["alias"].data_ptr()
+        ), asynchronous
+        assert state["v"]["seen"] is state["v"]["seen again"], asynchronous

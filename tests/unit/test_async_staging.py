@@ -274,3 +274,21 @@ def test_a_dtensor_on_a_device_mesh_keeps_its_host_copy_on_the_host():
         assert copy.shape == state["w"].shape and copy.stride() == state["w"].stride()
         assert copy.to_local().data_ptr() == staging.buffers[("w",)].data_ptr()
         assert torch.equal(copy.to_local(), shard * scale)
+
+
+def test_a_tensor_named_twice_is_copied_once_and_both_names_hold_that_copy():
+    """Tied weights (an embedding and an output head): the synchronous save writes one tensor under
+    both names, and loads them back sharing it; the copy was made twice (twice the bytes, and at the
+    first save twice the room on the device) and the names came back apart."""
+    staging = Staging(FakeDevice())
+    for scale, route in ((1.0, "device"), (2.0, "page-locked")):
+        state = _state(scale)
+        state["tied"] = state["w"]
+        state["shared"] = state["opt"]["m"]
+        snapshot = stage(state, staging)
+        assert dict(snapshot.routes) == {route: DEVICE_BYTES, "cpu": 3 * 4}
+        taken = snapshot.take()
+        assert taken["tied"] is taken["w"] is staging.buffers[("w",)]
+        assert taken["shared"] is taken["opt"]["m"] is staging.buffers[("opt", "m")]
+        assert _equal(taken, _state(scale))
+    assert set(staging.buffers) == DEVICE_PATHS | {("cpu",)}
