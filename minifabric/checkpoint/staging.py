@@ -207,6 +207,8 @@ class Snapshot:
         if route == "pageable":  # the call's copy is written; a page-locked buffer for the next save
             if self.staging.pinning:
                 self.staging.allocate(path, local, pinned=True)
+                if path not in self.staging.pinned:  # page-locking failed: the call's copy stays the buffer
+                    self.staging.buffers[path] = local
             return leaf
         buffer = self.staging.allocate(path, local, pinned=True)
         device = self.staging.device

@@ -292,3 +292,13 @@ def test_a_tensor_named_twice_is_copied_once_and_both_names_hold_that_copy():
         assert taken["shared"] is taken["opt"]["m"] is staging.buffers[("opt", "m")]
         assert _equal(taken, _state(scale))
     assert set(staging.buffers) == DEVICE_PATHS | {("cpu",)}
+
+
+def test_without_room_and_without_page_locking_the_first_saves_copies_stay_the_kept_buffers(monkeypatch):
+    """The background thread's page-locking failed for the first tensor: it allocated a pageable
+    buffer of its own to keep, beside the one the call had just copied into."""
+    monkeypatch.setattr(process, "_once", set())
+    staging = Staging(FakeDevice(free=DEVICE_BYTES, pin_error="cudaHostAlloc refused"))
+    with pytest.warns(RuntimeWarning, match="Page-locking host memory"):
+        taken = stage(_state(), staging).take()
+    assert taken["w"] is staging.buffers[("w",)] and taken["opt"]["m"] is staging.buffers[("opt", "m")]
