@@ -83,6 +83,12 @@ class SaveHandle:
             ) from self.error
 
 
+def _failed(error: Exception) -> Callable[[], saving.Payload]:
+    """What gives the background thread a save whose copy failed: the error alone, for the agreement."""
+    failed = saving.Payload(None, None, (error, None))
+    return lambda: failed
+
+
 class _LastSave:
     """A checkpointer's last asynchronous save, which the exit hook reports if it failed unseen.
 
@@ -192,25 +198,25 @@ class Checkpointer:
         tensor among ``state``'s values changed in place) reaches the checkpoint. The copies reuse
         the previous save's buffers. The returned function, called by the background thread, waits
         for the copies still running on a device and gives the payload to write. A failure is kept
-        for the agreement, which raises it on every rank; Ctrl-C (or ``SystemExit``) while collecting
-        or copying is raised here, on the calling thread.
+        for the agreement, which raises it on every rank (carrying no record: the background thread
+        reads nothing of the live state, which training changes meanwhile); Ctrl-C (or
+        ``SystemExit``) while collecting or copying is raised here, on the calling thread.
         """
         error, record = payload.pending
         if error is not None and not isinstance(error, Exception):
             raise error
         if error is not None:
-            return lambda: payload, {}
+            return _failed(error), {}
         try:
             snapshot = stage((payload.tensors, payload.record, record), self._staging)
         except Exception as err:  # raised on every rank by the agreement
-            failed = saving.Payload(payload.tensors, payload.record, (err, record))
-            return lambda: failed, {}
+            return _failed(err), {}
 
         def copied() -> saving.Payload:
             try:
                 tensors, tree, rank_record = snapshot.take()
             except Exception as err:  # raised on every rank by the agreement
-                return saving.Payload(None, None, (err, record))
+                return _failed(err)()
             return saving.Payload(tensors, tree, (None, rank_record))
 
         return copied, dict(snapshot.routes)

@@ -234,3 +234,48 @@ def test_async_save_keeps_values_that_share_a_tensor_sharing_it_as_the_synchrono
             state["v"]["ema"].data_ptr() == state["v"]["alias"].data_ptr()
         ), asynchronous
         assert state["v"]["seen"] is state["v"]["seen again"], asynchronous
+
+
+def test_a_failed_copy_is_agreed_on_without_reading_the_state_training_changes_meanwhile(tmp_path, monkeypatch):
+    """The background agreement on a failed copy carried the live state dicts of the stateful
+    objects: pickled (as on 2+ ranks) after training had changed them, it failed with another
+    error on that rank alone, and the other ranks waited for it until the timeout."""
+    import pickle
+    import threading
+
+    import minifabric.checkpoint.save as saving
+    from minifabric.checkpoint.comm import Comm
+
+    class Counter:
+        def __init__(self):
+            self.state = {"seen": [1, 2]}
+
+        def state_dict(self):
+            return self.state  # its live state, as many state_dict()s return
+
+        def load_state_dict(self, state):
+            self.state = state
+
+    acc = Accelerator(accelerator="cpu")
+    acc.launch()
+    model = acc.setup(torch.nn.Linear(4, 4))
+    counter = Counter()
+    changed = threading.Event()
+    real_agree = saving.agree_collected
+
+    def agree_after_training_changed_the_state(job, payload):
+        changed.wait(timeout=60)
+        return real_agree(job, payload)
+
+    def fails(*args, **kwargs):
+        raise MemoryError("host memory exhausted while copying")
+
+    monkeypatch.setattr(Comm, "all_gather", lambda self, obj: [pickle.loads(pickle.dumps(obj))])
+    monkeypatch.setattr(saving, "agree_collected", agree_after_training_changed_the_state)
+    monkeypatch.setattr(service, "stage", fails)
+    handle = acc.save(tmp_path / "ckpt.pt", {"model": model, "counter": counter}, asynchronous=True)
+    counter.state["hook"] = lambda: None  # training goes on and changes the state after the call
+    changed.set()
+    with pytest.raises(CheckpointError, match="host memory exhausted while copying"):
+        handle.wait()
+    assert not (tmp_path / "ckpt.pt").exists()
