@@ -39,6 +39,7 @@ from minifabric._torch.distributed import (
     local_slice,
     memory_tracker,
     unresolved_plan_keys,
+    with_local,
 )
 from minifabric._torch.init import (
     module_construction_hook,
@@ -104,4 +105,5 @@ __all__ = [
     "tree_flatten",
     "tree_map",
     "unresolved_plan_keys",
+    "with_local",
 ]

@@ -181,6 +181,18 @@ def laid_out_like(full: torch.Tensor, like: Any) -> torch.Tensor:
     return full
 
 
+def with_local(local: torch.Tensor, like: Any) -> Any:
+    """A DTensor laid out like ``like`` whose shard is ``local`` itself, wherever ``local`` is (no comms).
+
+    ``DTensor.from_local`` moves a shard to its mesh's device type: a host copy of a CUDA
+    DTensor's shard would go back to the GPU. torch's own staging of state dicts
+    (``torch.distributed._state_dict_utils``) swaps the shard of a DTensor alike.
+    """
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, like._spec, requires_grad=False)
+
+
 def default_store() -> Any:
     """The key-value store of the default process group (shared by every rank of the run)."""
     from torch.distributed.distributed_c10d import _get_default_store

@@ -83,6 +83,40 @@ class SaveHandle:
             ) from self.error
 
 
+def _failed(error: Exception) -> Callable[[], saving.Payload]:
+    """What gives the background thread a save whose copy failed: the error alone, for the agreement."""
+    failed = saving.Payload(None, None, (error, None))
+    return lambda: failed
+
+
+class _LastSave:
+    """A checkpointer's last asynchronous save, which the exit hook reports if it failed unseen.
+
+    The hook holds this, not the checkpointer: the checkpointer's kept copies (a copy of the
+    state, page-locked on a GPU) go with it, not at interpreter exit.
+    """
+
+    def __init__(self, end_process: Callable[[int], Any]) -> None:
+        self.handle: SaveHandle | None = None
+        self.rank = 0
+        self.end_process = end_process
+
+    def report_at_exit(self) -> None:
+        """At interpreter exit (the save thread has ended): a failed background save nobody saw fails the process.
+
+        Every rank prints the failure in one line (the agreement made it the same everywhere) and
+        exits with status 1, after the other exit handlers ran.
+        """
+        pending, self.handle = self.handle, None
+        if pending is None or pending.reported:
+            return
+        try:
+            pending.wait()
+        except CheckpointError as err:
+            process.write_stderr(f"[minifabric] rank {self.rank}: the asynchronous save did not complete: {err}\n")
+            self.end_process(1)
+
+
 class Checkpointer:
     """Saves and loads checkpoints (the format of a save follows the strategy's ``state_dict_type``).
 
@@ -96,9 +130,8 @@ class Checkpointer:
     """
 
     def __init__(self, end_process: Callable[[int], Any] = process.end) -> None:
-        self._end_process = end_process
         self._comm: Comm | None = None
-        self._pending: SaveHandle | None = None
+        self._last = _LastSave(end_process)  # what the exit hook holds: not the copies below
         # CPU copies of the last asynchronous save, reused by the next one (one model copy in RAM).
         self._staging = Staging()
         self._exit_hook: Callable[[], None] | None = None  # cancels the exit hook
@@ -112,7 +145,7 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Wait for an asynchronous save still in flight; raise if it failed."""
-        pending, self._pending = self._pending, None
+        pending, self._last.handle = self._last.handle, None
         if pending is not None:
             pending.wait()
 
@@ -152,10 +185,10 @@ class Checkpointer:
             saving.write(job, agreed)
             saving.commit(job, agreed)
 
-        self._pending = SaveHandle(path, in_background, routes)
+        self._last.handle, self._last.rank = SaveHandle(path, in_background, routes), self.comm.rank
         if self._exit_hook is None:
-            self._exit_hook = process.at_exit(self._report_at_exit)
-        return self._pending
+            self._exit_hook = process.at_exit(self._last.report_at_exit)
+        return self._last.handle
 
     def _snapshot(self, payload: saving.Payload) -> tuple[Callable[[], saving.Payload], dict[str, int]]:
         """A CPU copy of everything ``payload`` holds, as of the call: what gives it, and the bytes by route.
@@ -165,44 +198,28 @@ class Checkpointer:
         tensor among ``state``'s values changed in place) reaches the checkpoint. The copies reuse
         the previous save's buffers. The returned function, called by the background thread, waits
         for the copies still running on a device and gives the payload to write. A failure is kept
-        for the agreement, which raises it on every rank; Ctrl-C (or ``SystemExit``) while collecting
-        or copying is raised here, on the calling thread.
+        for the agreement, which raises it on every rank (carrying no record: the background thread
+        reads nothing of the live state, which training changes meanwhile); Ctrl-C (or
+        ``SystemExit``) while collecting or copying is raised here, on the calling thread.
         """
         error, record = payload.pending
         if error is not None and not isinstance(error, Exception):
             raise error
         if error is not None:
-            return lambda: payload, {}
+            return _failed(error), {}
         try:
             snapshot = stage((payload.tensors, payload.record, record), self._staging)
         except Exception as err:  # raised on every rank by the agreement
-            failed = saving.Payload(payload.tensors, payload.record, (err, record))
-            return lambda: failed, {}
+            return _failed(err), {}
 
         def copied() -> saving.Payload:
             try:
                 tensors, tree, rank_record = snapshot.take()
             except Exception as err:  # raised on every rank by the agreement
-                return saving.Payload(None, None, (err, record))
+                return _failed(err)()
             return saving.Payload(tensors, tree, (None, rank_record))
 
         return copied, dict(snapshot.routes)
-
-    def _report_at_exit(self) -> None:
-        """At interpreter exit (the save thread has ended): a failed background save nobody saw fails the process.
-
-        Every rank prints the failure in one line (the agreement made it the same everywhere) and
-        exits with status 1, after the other exit handlers ran.
-        """
-        pending, self._pending = self._pending, None
-        if pending is None or pending.reported:
-            return
-        try:
-            pending.wait()
-        except CheckpointError as err:
-            rank = self.comm.rank
-            process.write_stderr(f"[minifabric] rank {rank}: the asynchronous save did not complete: {err}\n")
-            self._end_process(1)
 
     def load(
         self, path: Path, state: dict[str, Any], strict: bool = True, weights_only: bool | None = None

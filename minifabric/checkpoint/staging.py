@@ -44,7 +44,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from minifabric import process
-from minifabric.checkpoint.tensors import map_tree, shard_like
+from minifabric._torch import with_local
+from minifabric.checkpoint.tensors import map_tree
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +189,14 @@ class Snapshot:
             event.synchronize()
         tree, self.tree = self.tree, None
         if self.landing:
-            tree = map_tree(tree, self._land)
+            landed: dict[int, Any] = {}  # a copy that two names hold lands once, for both
+
+            def land(path: tuple, leaf: Any) -> Any:
+                if id(leaf) not in landed:
+                    landed[id(leaf)] = self._land(path, leaf)
+                return landed[id(leaf)]
+
+            tree = map_tree(tree, land)
         return tree
 
     def _land(self, path: tuple, leaf: Any) -> Any:
@@ -199,13 +207,15 @@ class Snapshot:
         if route == "pageable":  # the call's copy is written; a page-locked buffer for the next save
             if self.staging.pinning:
                 self.staging.allocate(path, local, pinned=True)
+                if path not in self.staging.pinned:  # page-locking failed: the call's copy stays the buffer
+                    self.staging.buffers[path] = local
             return leaf
         buffer = self.staging.allocate(path, local, pinned=True)
         device = self.staging.device
         stream = device.stream(local.device)
         device.copy(stream, buffer, local)
         device.done(stream, hold=False).synchronize()
-        return shard_like(buffer, leaf) if isinstance(leaf, DTensor) else buffer
+        return with_local(buffer, leaf) if isinstance(leaf, DTensor) else buffer
 
 
 def _plain(tensor: torch.Tensor) -> bool:
@@ -218,12 +228,14 @@ def _plain(tensor: torch.Tensor) -> bool:
 def _device_room(tree: Any, staging: Staging) -> dict[torch.device, bool]:
     """Per device: whether the copies of its tensors without a buffer fit in ``DEVICE_SHARE`` of its free memory."""
     needed: Counter = Counter()
+    seen: set[int] = set()  # a tensor named twice is copied once
 
     def count(path: tuple, leaf: Any) -> Any:
         local = leaf.to_local() if isinstance(leaf, DTensor) else leaf
         if isinstance(local, torch.Tensor) and _plain(local) and staging.device.serves(local):
-            if not staging.fits(path, local, on_device=True):
+            if id(leaf) not in seen and not staging.fits(path, local, on_device=True):
                 needed[local.device] += local.nbytes
+            seen.add(id(leaf))
         return leaf
 
     map_tree(tree, count)
@@ -271,13 +283,22 @@ def stage(tree: Any, staging: Staging) -> Snapshot:
         snapshot.routes[route] += tensor.nbytes
         return target
 
+    # a tensor or object named twice (tied weights) is copied once and both names hold that copy,
+    # as the synchronous save writes it once; the tree holds every leaf, so no id is reused meanwhile
+    copies: dict[int, Any] = {}
+
     def copy(path: tuple, leaf: Any) -> Any:
         used.add(path)
-        if isinstance(leaf, DTensor):
-            return shard_like(to_cpu(path, leaf.to_local()), leaf)
-        if isinstance(leaf, torch.Tensor):
-            return to_cpu(path, leaf)
-        return leaf if isinstance(leaf, _IMMUTABLE) else copy_module.deepcopy(leaf)
+        if isinstance(leaf, _IMMUTABLE):
+            return leaf
+        if id(leaf) not in copies:
+            if isinstance(leaf, DTensor):  # not from_local: it moves the copy back to the mesh's device
+                copies[id(leaf)] = with_local(to_cpu(path, leaf.to_local()), leaf)
+            elif isinstance(leaf, torch.Tensor):
+                copies[id(leaf)] = to_cpu(path, leaf)
+            else:
+                copies[id(leaf)] = copy_module.deepcopy(leaf, copies)  # the memo: shared parts stay shared
+        return copies[id(leaf)]
 
     try:
         snapshot.tree = map_tree(tree, copy)

@@ -114,6 +114,7 @@ def _save_during_training(rank: int, path: str, mode: str) -> dict:
 
     from minifabric import process
     from minifabric.checkpoint import staging
+    from minifabric.checkpoint.tensors import map_tree
 
     if mode == "no-room":
         staging.DeviceCopies.free_bytes = lambda self, device: 0
@@ -124,6 +125,17 @@ def _save_during_training(rank: int, path: str, mode: str) -> dict:
 
         staging.DeviceCopies.pin = refuse
     process._once.clear()
+    taken_on: list[list[str]] = []  # the devices of the copy each background thread writes
+    real_take = staging.Snapshot.take
+
+    def take(self):
+        tree = real_take(self)
+        found: set[str] = set()
+        map_tree(tree, lambda path, leaf: found.add(leaf.device.type) if isinstance(leaf, torch.Tensor) else None)
+        taken_on.append(sorted(found))
+        return tree
+
+    staging.Snapshot.take = take
     acc = Accelerator(accelerator="cuda", strategy="fsdp", devices=1)
     acc.launch()
     torch.manual_seed(0)
@@ -161,6 +173,7 @@ def _save_during_training(rank: int, path: str, mode: str) -> dict:
             expected = {k: v + 1.0 for k, v in before["model"].items()}
             out["expected"].append({"model": expected, "moments": before["moments"]})
     out["warnings"] = [str(w.message) for w in caught if "Page-locking" in str(w.message)]
+    out["taken_on"] = taken_on
     out["loaded"] = []
     for i in range(3):
         acc.load(f"{path}/{i}", {"model": model, "optimizer": optimizer})
@@ -175,6 +188,7 @@ def test_async_save_on_cuda_holds_the_state_at_the_call_while_training_goes_on(t
     reuse the page-locked buffers, and a failed page-locking falls back to pageable memory, warned once."""
     (out,) = run_distributed(_save_during_training, 1, str(tmp_path), mode, timeout=240)
     assert out["busy"] == [True, True, True]
+    assert out["taken_on"] == [["cpu"]] * 3  # DTensor copies too: none went back to the device
     for expected, loaded in zip(out["expected"], out["loaded"], strict=True):
         for part in ("model", "moments"):
             assert expected[part].keys() == loaded[part].keys()

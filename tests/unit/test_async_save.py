@@ -198,3 +198,84 @@ def test_async_save_keeps_only_the_last_saves_copies(tmp_path):
         acc.save(tmp_path / "ckpt.pt", {"model": model, f"loss-{step}": torch.ones(1000)}, asynchronous=True).wait()
         kept.append(sum(buffer.numel() for buffer in acc._checkpointer._staging.buffers.values()))
     assert kept[0] == kept[1] == kept[2]
+
+
+def test_the_kept_copies_go_with_the_accelerator(tmp_path):
+    """The exit report of a failed save held the checkpointer, and with it a copy of the state
+    (page-locked on a GPU), until the interpreter ended: one more per Accelerator of a sweep."""
+    import gc
+    import weakref
+
+    acc = Accelerator(accelerator="cpu")
+    acc.launch()
+    model = acc.setup(torch.nn.Linear(4, 4))
+    acc.save(tmp_path / "ckpt.pt", {"model": model}, asynchronous=True).wait()
+    kept = [weakref.ref(buffer) for buffer in acc._checkpointer._staging.buffers.values()]
+    assert kept
+    del acc, model
+    gc.collect()
+    assert [ref for ref in kept if ref() is not None] == []
+
+
+@pytest.mark.parametrize("strategy", ["auto", "fsdp"])
+def test_async_save_keeps_values_that_share_a_tensor_sharing_it_as_the_synchronous_save_does(tmp_path, strategy):
+    acc = Accelerator(accelerator="cpu", devices=1, strategy=strategy)
+    acc.launch()
+    model = acc.setup(torch.nn.Linear(4, 4))
+    ema, seen = torch.ones(3), {1, 2}
+    for asynchronous in (False, True):
+        values = {"ema": ema, "alias": ema, "seen": seen, "seen again": seen}
+        handle = acc.save(tmp_path / f"{asynchronous}", {"model": model, "v": values}, asynchronous=asynchronous)
+        if handle is not None:
+            handle.wait()
+        state = {"model": model, "v": None}
+        acc.load(tmp_path / f"{asynchronous}", state)
+        assert state["v"]["ema"] is state["v"]["alias"] or (
+            state["v"]["ema"].data_ptr() == state["v"]["alias"].data_ptr()
+        ), asynchronous
+        assert state["v"]["seen"] is state["v"]["seen again"], asynchronous
+
+
+def test_a_failed_copy_is_agreed_on_without_reading_the_state_training_changes_meanwhile(tmp_path, monkeypatch):
+    """The background agreement on a failed copy carried the live state dicts of the stateful
+    objects: pickled (as on 2+ ranks) after training had changed them, it failed with another
+    error on that rank alone, and the other ranks waited for it until the timeout."""
+    import pickle
+    import threading
+
+    import minifabric.checkpoint.save as saving
+    from minifabric.checkpoint.comm import Comm
+
+    class Counter:
+        def __init__(self):
+            self.state = {"seen": [1, 2]}
+
+        def state_dict(self):
+            return self.state  # its live state, as many state_dict()s return
+
+        def load_state_dict(self, state):
+            self.state = state
+
+    acc = Accelerator(accelerator="cpu")
+    acc.launch()
+    model = acc.setup(torch.nn.Linear(4, 4))
+    counter = Counter()
+    changed = threading.Event()
+    real_agree = saving.agree_collected
+
+    def agree_after_training_changed_the_state(job, payload):
+        changed.wait(timeout=60)
+        return real_agree(job, payload)
+
+    def fails(*args, **kwargs):
+        raise MemoryError("host memory exhausted while copying")
+
+    monkeypatch.setattr(Comm, "all_gather", lambda self, obj: [pickle.loads(pickle.dumps(obj))])
+    monkeypatch.setattr(saving, "agree_collected", agree_after_training_changed_the_state)
+    monkeypatch.setattr(service, "stage", fails)
+    handle = acc.save(tmp_path / "ckpt.pt", {"model": model, "counter": counter}, asynchronous=True)
+    counter.state["hook"] = lambda: None  # training goes on and changes the state after the call
+    changed.set()
+    with pytest.raises(CheckpointError, match="host memory exhausted while copying"):
+        handle.wait()
+    assert not (tmp_path / "ckpt.pt").exists()

@@ -239,3 +239,66 @@ def test_a_failure_while_the_background_thread_takes_the_copy_fails_the_save(tmp
         handle.wait()
     assert not (tmp_path / "ckpt.pt").exists()
     assert service.stage is staging_module.stage
+
+
+def _on_a_device_mesh(local: torch.Tensor):
+    """``local`` as the shard of a DTensor whose mesh is a CUDA mesh (as under FSDP on a GPU); no CUDA needed.
+
+    ``DTensor.from_local`` would move ``local`` to the mesh's device type.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    mesh = DeviceMesh("cuda", [0], _init_backend=False)
+    meta = TensorMeta(local.shape, local.stride(), local.dtype)
+    return DTensor(local, DTensorSpec(mesh, (Shard(0),), meta), requires_grad=False)
+
+
+def test_a_dtensor_on_a_device_mesh_keeps_its_host_copy_on_the_host():
+    """The copy of a DTensor's shard is the host buffer itself, from the first save on.
+
+    Rebuilt with ``DTensor.from_local`` it went back to the mesh's device: at the first save the
+    background thread held a second copy of the state on the GPU for the whole write, and from the
+    second save on the call read the page-locked buffer back on the current stream before the side
+    stream had written it (the previous save's values) and waited for the device.
+    """
+    acc = Accelerator(accelerator="cpu", strategy="fsdp", devices=1)
+    acc.launch()  # a process group, which a device mesh needs
+    staging = Staging(FakeDevice())
+    shard = torch.arange(4, dtype=torch.float64)
+    for scale in (1.0, 2.0):
+        state = {"w": _on_a_device_mesh(shard * scale), "cpu": torch.ones(2)}
+        copy = stage(state, staging).take()["w"]
+        assert copy.device_mesh.device_type == "cuda" and copy.placements == state["w"].placements
+        assert copy.shape == state["w"].shape and copy.stride() == state["w"].stride()
+        assert copy.to_local().data_ptr() == staging.buffers[("w",)].data_ptr()
+        assert torch.equal(copy.to_local(), shard * scale)
+
+
+def test_a_tensor_named_twice_is_copied_once_and_both_names_hold_that_copy():
+    """Tied weights (an embedding and an output head): the synchronous save writes one tensor under
+    both names, and loads them back sharing it; the copy was made twice (twice the bytes, and at the
+    first save twice the room on the device) and the names came back apart."""
+    staging = Staging(FakeDevice())
+    for scale, route in ((1.0, "device"), (2.0, "page-locked")):
+        state = _state(scale)
+        state["tied"] = state["w"]
+        state["shared"] = state["opt"]["m"]
+        snapshot = stage(state, staging)
+        assert dict(snapshot.routes) == {route: DEVICE_BYTES, "cpu": 3 * 4}
+        taken = snapshot.take()
+        assert taken["tied"] is taken["w"] is staging.buffers[("w",)]
+        assert taken["shared"] is taken["opt"]["m"] is staging.buffers[("opt", "m")]
+        assert _equal(taken, _state(scale))
+    assert set(staging.buffers) == DEVICE_PATHS | {("cpu",)}
+
+
+def test_without_room_and_without_page_locking_the_first_saves_copies_stay_the_kept_buffers(monkeypatch):
+    """The background thread's page-locking failed for the first tensor: it allocated a pageable
+    buffer of its own to keep, beside the one the call had just copied into."""
+    monkeypatch.setattr(process, "_once", set())
+    staging = Staging(FakeDevice(free=DEVICE_BYTES, pin_error="cudaHostAlloc refused"))
+    with pytest.warns(RuntimeWarning, match="Page-locking host memory"):
+        taken = stage(_state(), staging).take()
+    assert taken["w"] is staging.buffers[("w",)] and taken["opt"]["m"] is staging.buffers[("opt", "m")]
