@@ -37,6 +37,7 @@ import copy as copy_module
 import logging
 import warnings
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +95,15 @@ class DeviceCopies:
         for tensor in (source, target):
             if tensor.is_cuda:
                 tensor.record_stream(stream)
+
+    def current(self, device: torch.device | None) -> Any:
+        """Inside, ``device`` is the calling thread's current CUDA device (a CPU or no device: no change).
+
+        The background thread runs its CUDA calls (waiting for an event, page-locking, copying)
+        under it: a thread's current device starts as GPU 0, and a CUDA call there would open a
+        context on GPU 0 (hundreds of MB) in every rank's process.
+        """
+        return torch.cuda.device(device) if device is not None and device.type == "cuda" else nullcontext()
 
     def done(self, stream: Any, hold: bool) -> Any:
         """An event that completes with the work queued on ``stream`` (``event.synchronize()`` waits for it).
@@ -177,6 +187,7 @@ class Snapshot:
     tree: Any = None
     routes: Counter = field(default_factory=Counter)
     events: list[Any] = field(default_factory=list)
+    device: torch.device | None = None  # the device of the copies (one per rank), for the background thread
     landing: dict[tuple, str] = field(default_factory=dict)  # path -> "device" or "pageable"
 
     def take(self) -> Any:
@@ -185,6 +196,10 @@ class Snapshot:
         Waits for the device's copies; moves the device-side copies into host buffers, and
         allocates the page-locked buffers the next save copies into (kept by the staging).
         """
+        with self.staging.device.current(self.device):
+            return self._take()
+
+    def _take(self) -> Any:
         for event in self.events:
             event.synchronize()
         tree, self.tree = self.tree, None
@@ -267,6 +282,7 @@ def stage(tree: Any, staging: Staging) -> Snapshot:
             snapshot.routes["cpu"] += tensor.nbytes
             return buffer.copy_(tensor.detach())
         if tensor.device not in streams:
+            snapshot.device = snapshot.device or tensor.device
             streams[tensor.device] = device.stream(tensor.device)
             device.after_current(streams[tensor.device])
         if staging.fits(path, tensor, on_device=True):

@@ -107,6 +107,24 @@ def test_the_first_save_copies_on_the_device_and_page_locks_its_buffers_in_the_b
     assert snapshot.tree is None  # the device copies are let go
 
 
+def test_the_writer_thread_makes_the_copies_device_current_before_any_device_call():
+    """A thread starts on GPU 0: its first CUDA call there would open a context on GPU 0 in every rank."""
+
+    class Recording(FakeDevice):
+        def current(self, device):
+            self.log.append(f"current({device})")
+            return super().current(device)
+
+    device = Recording()
+    snapshot = stage(_state(), Staging(device))
+    assert snapshot.device == torch.device("cpu")  # where the fake's "device" tensors live
+    start = len(device.log)
+    snapshot.take()
+    assert device.log[start] == "current(cpu)" and device.log[start + 1] == "synchronize"
+    with device.current(torch.device("cpu")):  # not a CUDA device: nothing to switch
+        pass
+
+
 def test_a_second_save_copies_into_the_page_locked_buffers_of_the_first():
     device = FakeDevice()
     staging = Staging(device)
