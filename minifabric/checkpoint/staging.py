@@ -257,6 +257,17 @@ def _device_room(tree: Any, staging: Staging) -> dict[torch.device, bool]:
     return {d: n <= DEVICE_SHARE * staging.device.free_bytes(d) for d, n in needed.items()}
 
 
+def _device_copy(tensor: torch.Tensor) -> torch.Tensor | None:
+    """Memory for ``tensor``'s copy on its device; None where the allocator cannot give it (fragmented).
+
+    Allocated on the current stream, so that its memory goes back to training's pool when freed.
+    """
+    try:
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    except torch.OutOfMemoryError:
+        return None  # the copy goes to pageable memory instead
+
+
 def stage(tree: Any, staging: Staging) -> Snapshot:
     """A copy of ``tree`` that nothing done to ``tree`` afterwards changes: tensors copied to CPU.
 
@@ -287,9 +298,8 @@ def stage(tree: Any, staging: Staging) -> Snapshot:
             device.after_current(streams[tensor.device])
         if staging.fits(path, tensor, on_device=True):
             route, target = ("page-locked" if path in staging.pinned else "pageable"), staging.buffers[path]
-        elif room[tensor.device]:
-            # allocated on the current stream, so that its memory goes back to training's pool when freed
-            route, target = "device", torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        elif room[tensor.device] and (target := _device_copy(tensor)) is not None:
+            route = "device"
             snapshot.landing[path] = route
         else:
             route, target = "pageable", staging.allocate(path, tensor, pinned=False)

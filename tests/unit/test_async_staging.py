@@ -125,6 +125,24 @@ def test_the_writer_thread_makes_the_copies_device_current_before_any_device_cal
         pass
 
 
+def test_a_first_save_the_device_allocator_cannot_take_copies_to_pageable_memory(monkeypatch):
+    """Room by the free-memory count, but no block that large (fragmentation): pageable, not a failed save."""
+    empty = torch.empty
+
+    def fragmented(*args, **kwargs):
+        if isinstance(kwargs.get("device"), torch.device):  # the device copy (buffers name "cpu")
+            raise torch.OutOfMemoryError("no block that large")
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", fragmented)
+    staging = Staging(FakeDevice())
+    snapshot = stage(_state(), staging)
+    assert dict(snapshot.routes) == {"pageable": DEVICE_BYTES, "cpu": 3 * 4}
+    monkeypatch.setattr(torch, "empty", empty)
+    assert _equal(snapshot.take(), _state())
+    assert staging.pinned == DEVICE_PATHS  # page-locked buffers for the next save
+
+
 def test_a_second_save_copies_into_the_page_locked_buffers_of_the_first():
     device = FakeDevice()
     staging = Staging(device)
