@@ -46,6 +46,7 @@ from minifabric.init.calls import (
     DATA_SET,
     EMPTY_FACTORIES,
     IS_META,
+    LIKE_FACTORIES,
     METADATA,
     RESHAPES,
     call_name,
@@ -53,7 +54,7 @@ from minifabric.init.calls import (
     is_inplace,
     to_meta,
 )
-from minifabric.init.generators import CPU, advanced, states
+from minifabric.init.generators import CPU, advanced, same_device, states
 from minifabric.init.recipe import TARGET, Base, Handle, Op, Real, Ref
 from minifabric.init.replay import apply_chain, call, resolver
 
@@ -200,28 +201,30 @@ class Recorder(TorchFunctionMode):
         return self._derived(func, name, args, kwargs, tracked)
 
     def _empty(self, func: Callable, args: tuple, kwargs: dict) -> Any:
-        args = to_meta(args) if func is not torch.empty_strided else args
-        result = None
-        if self._lands_here(kwargs):  # try the meta device first: no memory taken on the build device
-            result = func(*args, **{**kwargs, "device": "meta"})
-            if not (isinstance(result, torch.Tensor) and result.is_floating_point()):
-                result = None  # not a parameter's kind (an integer buffer): created as eager would
-        if result is None:
-            result = func(*args, **kwargs)
-        if not isinstance(result, torch.Tensor) or result.device.type not in (self.device.type, "meta"):
-            return result
-        if not result.is_meta and not result.is_floating_point():
-            return result  # an integer buffer (indices): real, as in eager construction
+        if kwargs.get("out") is not None:  # writes a given tensor: creates none
+            return func(*args, **kwargs)
+        device = self._creates_on(func, args, kwargs)
+        if device.type != "meta" and not same_device(device, self.device):
+            return func(*args, **kwargs)  # elsewhere (a CPU tensor in a CUDA block): real, as in eager
+        result = func(*(to_meta(args) if func is not torch.empty_strided else args), **{**kwargs, "device": "meta"})
+        if not result.is_floating_point() and device.type != "meta":
+            return func(*args, **{**kwargs, "device": device})  # an integer buffer (indices): real, as in eager
         meta = torch.empty_strided(result.shape, result.stride(), dtype=result.dtype, device="meta")
         del result
         self.track(meta, Base(meta.shape, meta.dtype, "empty", stride=meta.stride()))
         return meta
 
-    def _lands_here(self, kwargs: dict) -> bool:
-        """Whether an empty-factory call creates its tensor on the build device (or the meta device)."""
-        device = kwargs.get("device")
-        device = torch.get_default_device() if device is None else torch.device(device)
-        return device.type in (self.device.type, "meta")
+    def _creates_on(self, func: Callable, args: tuple, kwargs: dict) -> torch.device:
+        """Where eager construction creates an empty factory's tensor: at its ``device=``, else where the
+        input of ``empty_like``/``new_empty`` is (a tracked one: on its build device), else on the default
+        device (the strategy's, whose context is active outside this mode)."""
+        if kwargs.get("device") is not None:
+            return torch.device(kwargs["device"])
+        if func in LIKE_FACTORIES:
+            source = args[0] if args else kwargs["input"]
+            handle = self.lookup(source)
+            return handle.base.device if handle is not None else source.device
+        return torch.get_default_device()
 
     def _ref(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
