@@ -51,7 +51,7 @@ def meta_init_context(
             ``setup`` (``(1, 0)``: all of it), so ``setup`` copies it instead of running the init a
             second time. None keeps nothing (``setup`` replays every init).
         device: the build device: where ``init_module(empty_init=False)`` would construct the model
-            (the caller enters its default-device context). Random inits draw from its generator,
+            (the block runs in its default-device context). Random inits draw from its generator,
             as eager construction there does, and ``setup`` computes the values there
             (:mod:`~minifabric.init.generators`).
 
@@ -90,7 +90,7 @@ def meta_init_context(
 
     token = _RECORDER.set(recorder)
     try:
-        with module_registration_hooks(on_parameter, on_buffer), recorder:
+        with module_registration_hooks(on_parameter, on_buffer), torch.device(device), recorder:
             with noting_constructions(device) if verify else nullcontext():
                 yield
         recorder.settle()

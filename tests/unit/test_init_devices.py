@@ -56,3 +56,13 @@ def test_an_integer_tensor_like_a_real_one_is_real_as_in_eager_construction(buil
     with meta_init_context():
         made = build(indices)
     assert not made.is_meta and made.dtype == torch.int64 and handle_of(made) is None
+
+
+def test_the_block_builds_on_its_build_device_without_an_outer_device_context() -> None:
+    """Called directly (not from ``init_module``), the block still builds where its recorder replays."""
+    with meta_init_context(device=ACCELERATOR):
+        built = torch.empty(3)
+        assert torch.get_default_device() == ACCELERATOR
+    handle = handle_of(built)
+    assert built.is_meta and handle is not None and handle.base.device == ACCELERATOR
+    assert torch.get_default_device() == torch.device("cpu")
