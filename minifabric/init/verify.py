@@ -2,14 +2,14 @@
 
 With ``init_module(empty_init=True, verify=True)`` (or ``MINIFABRIC_VERIFY_INIT=1``) the context
 notes, for each model built in it, its class, the arguments its ``__init__`` was called with and
-the random generator's state before and after. At ``setup``, :func:`self_check` (run on rank 0)
-builds the model again eagerly on the CPU from that state and returns a function that
-:func:`~minifabric.init.materialize.materialize` calls with each replayed full value: the first
-value that differs from the eager one raises :class:`InitMismatch` naming the tensor. The random
-stream after the eager build must equal the one after the meta build.
+the random generators' states before and after. At ``setup``, :func:`self_check` (run on rank 0)
+builds the model again eagerly on the build device (the strategy's) from those states and returns a
+function that :func:`~minifabric.init.materialize.materialize` calls with each replayed full value:
+the first value that differs from the eager one raises :class:`InitMismatch` naming the tensor. The
+random streams after the eager build must equal those after the meta build.
 
-It costs one eager model in rank 0's CPU memory and the time to build it: use it once, when model
-code is new or changed, not in every run.
+It costs one eager model in rank 0's memory on the build device (the GPU's, under CUDA) and the time
+to build it: use it once, when model code is new or changed, not in every run.
 """
 
 from __future__ import annotations
