@@ -25,7 +25,7 @@ from minifabric._torch import inside_distribute_module, module_registration_hook
 from minifabric.init.attach import Recording, handle_of, module_record, recording_of
 from minifabric.init.recipe import Base, Handle, is_dtensor
 from minifabric.init.record import Recorder
-from minifabric.init.verify import noting_constructions
+from minifabric.init.verify import noting_constructions, rebuilding_eagerly
 
 if TYPE_CHECKING:
     from minifabric.init.places import Place
@@ -66,6 +66,9 @@ def meta_init_context(
         >>> layer.weight.is_meta
         False
     """
+    if rebuilding_eagerly():  # the self-check's eager rebuild of a model that enters this block itself
+        yield
+        return
     if _RECORDER.get() is not None:  # nested: the outer context records everything, once
         with noting_constructions(device) if verify else nullcontext():
             yield

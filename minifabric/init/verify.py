@@ -22,6 +22,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,16 @@ from minifabric.init.generators import drawing_from, states
 
 #: set to 1 to turn the self-check on for every ``init_module(empty_init=True)``
 VERIFY_ENV = "MINIFABRIC_VERIFY_INIT"
+
+
+# True while `self_check` builds a model again eagerly: a meta-init block its `__init__` enters
+# (`with acc.init_module(empty_init=True):` around a part) builds eagerly too.
+_REBUILDING: ContextVar[bool] = ContextVar("minifabric_init_rebuilding", default=False)
+
+
+def rebuilding_eagerly() -> bool:
+    """Whether :func:`self_check` is building a model again eagerly (meta-init blocks inside build eagerly)."""
+    return _REBUILDING.get()
 
 
 class InitMismatch(RuntimeError):
@@ -176,7 +187,11 @@ def self_check(
         build_context(),
         torch.device(built.device),
     ):
-        eager = built.cls(*built.args, **built.kwargs)
+        token = _REBUILDING.set(True)
+        try:
+            eager = built.cls(*built.args, **built.kwargs)
+        finally:
+            _REBUILDING.reset(token)
         after = states(built.device)
     if built.rng_after is not None and not all(
         (a is None) == (b is None) and (a is None or torch.equal(a, b))
