@@ -99,10 +99,11 @@ class Recorder(TorchFunctionMode):
 
     # ---- tracking ------------------------------------------------------------------------------
 
-    def track(self, t: torch.Tensor, handle: Handle | Base) -> Handle:
-        """Remember ``t`` as a view (or the whole) of a recorded base."""
+    def track(self, t: torch.Tensor, handle: Handle | Base, device: torch.device | None = None) -> Handle:
+        """Remember ``t`` as a view (or the whole) of a recorded base (a new one: eager construction has
+        it on ``device``; by default where its real value is, else on the build device)."""
         if isinstance(handle, Base):
-            handle.device = self.device
+            handle.device = device or (handle.value.device if handle.value is not None else self.device)
             if handle.stride is None:  # random init fills memory in stride order: part of the record
                 handle.stride = tuple(t.stride())
             handle = Handle(handle)
@@ -284,22 +285,28 @@ class Recorder(TorchFunctionMode):
         before = states(self.device)
         scratch = None
         resolve = resolver()
+        device = self.device if op.target is None else op.target.base.device  # where eager runs it
         if op.target is not None:
             base = op.target.base
             stride = base.stride or torch.empty(base.shape, device="meta").stride()
-            scratch = self._scratch(base.shape, stride, base.dtype)
+            scratch = self._scratch(base.shape, stride, base.dtype, device)
             scratch = apply_chain(scratch, op.target.chain, resolve)
-        call(op, scratch, resolve, dict(gens), self.device)
+        call(op, scratch, resolve, dict(gens), device)
         op.rng, op.device_rng = advanced(before, self.device)
         if op.target is not None and not op.target.chain and not op.target.base.ops:
             self._keep(op.target.base, scratch)
         if all(torch.equal(op.generators[k], g.get_state()) for k, g in gens.items()):
             op.generators, op.generator_devices = {}, {}
 
-    def _scratch(self, shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialized tensor of ``shape`` and ``stride`` in memory reused from call to call."""
+    def _scratch(
+        self, shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """An uninitialized tensor of ``shape`` and ``stride`` on ``device``, in memory reused from call
+        to call on the build device."""
+        if device != self.device:  # a tensor eager construction holds elsewhere (a CPU one in a CUDA block)
+            return torch.empty_strided(shape, stride, dtype=dtype, device=device)
         size = 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) if all(shape) else 0
-        nbytes = size * torch.empty((), dtype=dtype).element_size()
+        nbytes = size * dtype.itemsize
         if self._scratch_bytes is None or self._scratch_bytes.numel() < nbytes:
             self._scratch_bytes = None
             self._scratch_bytes = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
@@ -348,7 +355,8 @@ class Recorder(TorchFunctionMode):
             base.creator = self._op(_identity, "`.data =`", (value,), {})
         except Unrecordable as e:
             base.problem = f"`.data =` {e}"
-        self.track(target, base)
+        # eager construction leaves the tensor where the data put in is
+        self.track(target, base, source.base.device if source is not None else value.device)
         return None
 
     def _numpy(self, t: torch.Tensor, kwargs: dict) -> Any:

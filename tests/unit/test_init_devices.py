@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
-from minifabric.init import meta_init_context
+from minifabric.init import materialize, meta_init_context
 from minifabric.init.attach import handle_of
 from minifabric.init.generators import same_device
 from minifabric.init.record import Recorder
@@ -66,3 +67,42 @@ def test_the_block_builds_on_its_build_device_without_an_outer_device_context() 
     handle = handle_of(built)
     assert built.is_meta and handle is not None and handle.base.device == ACCELERATOR
     assert torch.get_default_device() == torch.device("cpu")
+
+
+def _cpu_parameter_built_in_an_accelerator_block(how: str) -> nn.Module:
+    module = nn.Module()
+    with meta_init_context(device=ACCELERATOR):
+        if how == "created":
+            module.p = nn.Parameter(torch.zeros(3, device="cpu"))
+        else:  # `.data =`: eager construction leaves the parameter where that tensor is
+            module.p = nn.Parameter(torch.empty(3))
+            module.p.data = torch.zeros(3, device="cpu")
+        nn.init.normal_(module.p)
+    return module
+
+
+@pytest.mark.parametrize("how", ["created", "data set"])
+def test_a_cpu_parameter_draws_from_the_cpus_generator_in_an_accelerator_block(
+    how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eager construction draws its init from the CPU's generator: so do the recording and the replay.
+
+    The accelerator's generator is read (not drawn from) around each random call; without CUDA its
+    state reads as a constant here.
+    """
+    constant = torch.zeros(16, dtype=torch.uint8)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": constant)
+    torch.manual_seed(0)
+    expected = torch.zeros(3).normal_()
+    torch.manual_seed(0)
+    module = _cpu_parameter_built_in_an_accelerator_block(how)
+    assert torch.equal(torch.get_rng_state(), _after(expected))
+    assert handle_of(module.p).base.device == torch.device("cpu")
+    materialize(module)
+    assert torch.equal(module.p, expected)
+
+
+def _after(drawn: torch.Tensor) -> torch.Tensor:
+    torch.manual_seed(0)
+    torch.empty_like(drawn).normal_()
+    return torch.get_rng_state()
