@@ -14,6 +14,8 @@ from minifabric._torch import tree_map
 
 #: Calls that create uninitialized memory: their result has no value until something writes it.
 EMPTY_FACTORIES = frozenset({torch.empty, torch.empty_like, torch.Tensor.new_empty, torch.empty_strided})
+#: Those of them that create their tensor where their input is (unless given ``device=``).
+LIKE_FACTORIES = frozenset({torch.empty_like, torch.Tensor.new_empty})
 #: In-place methods that change a tensor's shape or storage: not replayable.
 RESHAPES = frozenset({
     torch.Tensor.resize_, torch.Tensor.set_, torch.Tensor.as_strided_, torch.Tensor.t_,

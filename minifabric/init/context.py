@@ -25,7 +25,7 @@ from minifabric._torch import inside_distribute_module, module_registration_hook
 from minifabric.init.attach import Recording, handle_of, module_record, recording_of
 from minifabric.init.recipe import Base, Handle, is_dtensor
 from minifabric.init.record import Recorder
-from minifabric.init.verify import noting_constructions
+from minifabric.init.verify import noting_constructions, rebuilding_eagerly
 
 if TYPE_CHECKING:
     from minifabric.init.places import Place
@@ -51,7 +51,7 @@ def meta_init_context(
             ``setup`` (``(1, 0)``: all of it), so ``setup`` copies it instead of running the init a
             second time. None keeps nothing (``setup`` replays every init).
         device: the build device: where ``init_module(empty_init=False)`` would construct the model
-            (the caller enters its default-device context). Random inits draw from its generator,
+            (the block runs in its default-device context). Random inits draw from its generator,
             as eager construction there does, and ``setup`` computes the values there
             (:mod:`~minifabric.init.generators`).
 
@@ -66,6 +66,9 @@ def meta_init_context(
         >>> layer.weight.is_meta
         False
     """
+    if rebuilding_eagerly():  # the self-check's eager rebuild of a model that enters this block itself
+        yield
+        return
     if _RECORDER.get() is not None:  # nested: the outer context records everything, once
         with noting_constructions(device) if verify else nullcontext():
             yield
@@ -90,7 +93,7 @@ def meta_init_context(
 
     token = _RECORDER.set(recorder)
     try:
-        with module_registration_hooks(on_parameter, on_buffer), recorder:
+        with module_registration_hooks(on_parameter, on_buffer), torch.device(device), recorder:
             with noting_constructions(device) if verify else nullcontext():
                 yield
         recorder.settle()

@@ -25,6 +25,17 @@ def on_host(device: torch.device) -> bool:
     return device.type in ("cpu", "meta")
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` and ``b`` are one device (an accelerator's index left out: its current one)."""
+    if a.type != b.type:
+        return False
+    return on_host(a) or _index(a) == _index(b)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.get_device_module(device.type).current_device()
+
+
 def states(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The states of the CPU's default generator and of ``device``'s (None on the CPU)."""
     device_state = None if on_host(device) else torch.get_device_module(device.type).get_rng_state(device)

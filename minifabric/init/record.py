@@ -46,6 +46,7 @@ from minifabric.init.calls import (
     DATA_SET,
     EMPTY_FACTORIES,
     IS_META,
+    LIKE_FACTORIES,
     METADATA,
     RESHAPES,
     call_name,
@@ -53,7 +54,7 @@ from minifabric.init.calls import (
     is_inplace,
     to_meta,
 )
-from minifabric.init.generators import CPU, advanced, states
+from minifabric.init.generators import CPU, advanced, same_device, states
 from minifabric.init.recipe import TARGET, Base, Handle, Op, Real, Ref
 from minifabric.init.replay import apply_chain, call, resolver
 
@@ -98,10 +99,11 @@ class Recorder(TorchFunctionMode):
 
     # ---- tracking ------------------------------------------------------------------------------
 
-    def track(self, t: torch.Tensor, handle: Handle | Base) -> Handle:
-        """Remember ``t`` as a view (or the whole) of a recorded base."""
+    def track(self, t: torch.Tensor, handle: Handle | Base, device: torch.device | None = None) -> Handle:
+        """Remember ``t`` as a view (or the whole) of a recorded base (a new one: eager construction has
+        it on ``device``; by default where its real value is, else on the build device)."""
         if isinstance(handle, Base):
-            handle.device = self.device
+            handle.device = device or (handle.value.device if handle.value is not None else self.device)
             if handle.stride is None:  # random init fills memory in stride order: part of the record
                 handle.stride = tuple(t.stride())
             handle = Handle(handle)
@@ -200,28 +202,30 @@ class Recorder(TorchFunctionMode):
         return self._derived(func, name, args, kwargs, tracked)
 
     def _empty(self, func: Callable, args: tuple, kwargs: dict) -> Any:
-        args = to_meta(args) if func is not torch.empty_strided else args
-        result = None
-        if self._lands_here(kwargs):  # try the meta device first: no memory taken on the build device
-            result = func(*args, **{**kwargs, "device": "meta"})
-            if not (isinstance(result, torch.Tensor) and result.is_floating_point()):
-                result = None  # not a parameter's kind (an integer buffer): created as eager would
-        if result is None:
-            result = func(*args, **kwargs)
-        if not isinstance(result, torch.Tensor) or result.device.type not in (self.device.type, "meta"):
-            return result
-        if not result.is_meta and not result.is_floating_point():
-            return result  # an integer buffer (indices): real, as in eager construction
+        if kwargs.get("out") is not None:  # writes a given tensor: creates none
+            return func(*args, **kwargs)
+        device = self._creates_on(func, args, kwargs)
+        if device.type != "meta" and not same_device(device, self.device):
+            return func(*args, **kwargs)  # elsewhere (a CPU tensor in a CUDA block): real, as in eager
+        result = func(*(to_meta(args) if func is not torch.empty_strided else args), **{**kwargs, "device": "meta"})
+        if not result.is_floating_point() and device.type != "meta":
+            return func(*args, **{**kwargs, "device": device})  # an integer buffer (indices): real, as in eager
         meta = torch.empty_strided(result.shape, result.stride(), dtype=result.dtype, device="meta")
         del result
         self.track(meta, Base(meta.shape, meta.dtype, "empty", stride=meta.stride()))
         return meta
 
-    def _lands_here(self, kwargs: dict) -> bool:
-        """Whether an empty-factory call creates its tensor on the build device (or the meta device)."""
-        device = kwargs.get("device")
-        device = torch.get_default_device() if device is None else torch.device(device)
-        return device.type in (self.device.type, "meta")
+    def _creates_on(self, func: Callable, args: tuple, kwargs: dict) -> torch.device:
+        """Where eager construction creates an empty factory's tensor: at its ``device=``, else where the
+        input of ``empty_like``/``new_empty`` is (a tracked one: on its build device), else on the default
+        device (the strategy's, whose context is active outside this mode)."""
+        if kwargs.get("device") is not None:
+            return torch.device(kwargs["device"])
+        if func in LIKE_FACTORIES:
+            source = args[0] if args else kwargs["input"]
+            handle = self.lookup(source)
+            return handle.base.device if handle is not None else source.device
+        return torch.get_default_device()
 
     def _ref(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
@@ -281,22 +285,28 @@ class Recorder(TorchFunctionMode):
         before = states(self.device)
         scratch = None
         resolve = resolver()
+        device = self.device if op.target is None else op.target.base.device  # where eager runs it
         if op.target is not None:
             base = op.target.base
             stride = base.stride or torch.empty(base.shape, device="meta").stride()
-            scratch = self._scratch(base.shape, stride, base.dtype)
+            scratch = self._scratch(base.shape, stride, base.dtype, device)
             scratch = apply_chain(scratch, op.target.chain, resolve)
-        call(op, scratch, resolve, dict(gens), self.device)
+        call(op, scratch, resolve, dict(gens), device)
         op.rng, op.device_rng = advanced(before, self.device)
         if op.target is not None and not op.target.chain and not op.target.base.ops:
             self._keep(op.target.base, scratch)
         if all(torch.equal(op.generators[k], g.get_state()) for k, g in gens.items()):
             op.generators, op.generator_devices = {}, {}
 
-    def _scratch(self, shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialized tensor of ``shape`` and ``stride`` in memory reused from call to call."""
+    def _scratch(
+        self, shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """An uninitialized tensor of ``shape`` and ``stride`` on ``device``, in memory reused from call
+        to call on the build device."""
+        if device != self.device:  # a tensor eager construction holds elsewhere (a CPU one in a CUDA block)
+            return torch.empty_strided(shape, stride, dtype=dtype, device=device)
         size = 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) if all(shape) else 0
-        nbytes = size * torch.empty((), dtype=dtype).element_size()
+        nbytes = size * dtype.itemsize
         if self._scratch_bytes is None or self._scratch_bytes.numel() < nbytes:
             self._scratch_bytes = None
             self._scratch_bytes = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
@@ -345,7 +355,8 @@ class Recorder(TorchFunctionMode):
             base.creator = self._op(_identity, "`.data =`", (value,), {})
         except Unrecordable as e:
             base.problem = f"`.data =` {e}"
-        self.track(target, base)
+        # eager construction leaves the tensor where the data put in is
+        self.track(target, base, source.base.device if source is not None else value.device)
         return None
 
     def _numpy(self, t: torch.Tensor, kwargs: dict) -> Any:

@@ -2,14 +2,14 @@
 
 With ``init_module(empty_init=True, verify=True)`` (or ``MINIFABRIC_VERIFY_INIT=1``) the context
 notes, for each model built in it, its class, the arguments its ``__init__`` was called with and
-the random generator's state before and after. At ``setup``, :func:`self_check` (run on rank 0)
-builds the model again eagerly on the CPU from that state and returns a function that
-:func:`~minifabric.init.materialize.materialize` calls with each replayed full value: the first
-value that differs from the eager one raises :class:`InitMismatch` naming the tensor. The random
-stream after the eager build must equal the one after the meta build.
+the random generators' states before and after. At ``setup``, :func:`self_check` (run on rank 0)
+builds the model again eagerly on the build device (the strategy's) from those states and returns a
+function that :func:`~minifabric.init.materialize.materialize` calls with each replayed full value:
+the first value that differs from the eager one raises :class:`InitMismatch` naming the tensor. The
+random streams after the eager build must equal those after the meta build.
 
-It costs one eager model in rank 0's CPU memory and the time to build it: use it once, when model
-code is new or changed, not in every run.
+It costs one eager model in rank 0's memory on the build device (the GPU's, under CUDA) and the time
+to build it: use it once, when model code is new or changed, not in every run.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,16 @@ from minifabric.init.generators import drawing_from, states
 
 #: set to 1 to turn the self-check on for every ``init_module(empty_init=True)``
 VERIFY_ENV = "MINIFABRIC_VERIFY_INIT"
+
+
+# True while `self_check` builds a model again eagerly: a meta-init block its `__init__` enters
+# (`with acc.init_module(empty_init=True):` around a part) builds eagerly too.
+_REBUILDING: ContextVar[bool] = ContextVar("minifabric_init_rebuilding", default=False)
+
+
+def rebuilding_eagerly() -> bool:
+    """Whether :func:`self_check` is building a model again eagerly (meta-init blocks inside build eagerly)."""
+    return _REBUILDING.get()
 
 
 class InitMismatch(RuntimeError):
@@ -176,7 +187,11 @@ def self_check(
         build_context(),
         torch.device(built.device),
     ):
-        eager = built.cls(*built.args, **built.kwargs)
+        token = _REBUILDING.set(True)
+        try:
+            eager = built.cls(*built.args, **built.kwargs)
+        finally:
+            _REBUILDING.reset(token)
         after = states(built.device)
     if built.rng_after is not None and not all(
         (a is None) == (b is None) and (a is None or torch.equal(a, b))

@@ -268,9 +268,16 @@ class Strategy:
         built = module if built is None else built
         if not places:
             return
+        checking = wants_check(built)
+        if self.world_size > 1 and self.any_rank(checking) and self.any_rank(not checking):
+            raise ValueError(
+                "The meta-init self-check was asked for on some ranks only (`verify=` or MINIFABRIC_VERIFY_INIT"
+                " differs between ranks). Ask for it on every rank (it runs on rank 0 only):"
+                " `acc.init_module(empty_init=True, verify=True)`."
+            )
         if self.world_size > 1:  # per-rank seeds before construction: every rank replays rank 0's draws
             adopt_rank_zero_init(places, self.global_rank, self.broadcast, self.any_rank)
-        if not wants_check(built):
+        if not checking:
             materialize(module, places, device, buffer_device)
             return
         error = None

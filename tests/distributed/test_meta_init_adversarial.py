@@ -49,3 +49,22 @@ def test_unusual_init_code_equals_eager_on_every_rank() -> None:
     assert len(results) == 2
     for result in results:
         assert result == {name: [] for name in result}, result
+
+
+def self_check_on_rank_zero_only(rank: int, world_size: int) -> str | None:
+    acc = Accelerator(accelerator="cpu", strategy="fsdp", devices=world_size)
+    acc.launch()
+    with acc.init_module(empty_init=True, verify=acc.global_rank == 0):
+        model = torch.nn.Linear(4, 4)
+    try:
+        acc.setup(model)
+    except ValueError as e:
+        return str(e) if model.weight.is_meta else f"raised after materializing: {e}"
+    return None
+
+
+def test_the_self_check_asked_for_on_some_ranks_only_raises_on_every_rank() -> None:
+    """Not a hang: rank 0 would wait in the check's broadcast while the others went on."""
+    results = run_distributed(self_check_on_rank_zero_only, 2, 2, timeout=120)
+    for message in results:
+        assert message is not None and "on some ranks only" in message, results

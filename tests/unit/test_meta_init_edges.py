@@ -238,3 +238,25 @@ def test_data_replaced_inside_parallelize_fn_is_refused_and_a_dtype_conversion_i
     with acc.init_module(empty_init=True):
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     assert mismatches(eager, acc.setup(model).module) == []
+
+
+class BuildsAPartInItsOwnBlock(nn.Module):
+    """A model whose ``__init__`` enters ``init_module(empty_init=True)`` itself, for one part."""
+
+    def __init__(self, acc: Accelerator) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        with acc.init_module(empty_init=True):
+            self.b = nn.Linear(3, 3)
+
+
+def test_the_self_check_rebuilds_a_model_that_enters_init_module_itself() -> None:
+    """The eager rebuild builds every part eagerly, the one built in the inner block too."""
+    acc = _acc("single")
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    torch.manual_seed(0)
+    with acc.init_module(empty_init=True, verify=True):
+        model = BuildsAPartInItsOwnBlock(acc)
+    model = acc.setup(model)
+    assert mismatches(reference[0], model.a) == [] and mismatches(reference[1], model.b) == []
