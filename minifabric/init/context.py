@@ -39,7 +39,10 @@ _RECORDER: ContextVar[Recorder | None] = ContextVar("minifabric_init_recorder", 
 
 @contextmanager
 def meta_init_context(
-    verify: bool = False, keep: tuple[int, int] | None = None, device: torch.device | str = "cpu"
+    verify: bool = False,
+    keep: tuple[int, int] | None = None,
+    device: torch.device | str = "cpu",
+    keep_on: torch.device | str | None = None,
 ) -> Iterator[None]:
     """Create parameters on the meta device and record how ``__init__`` initializes them.
 
@@ -54,6 +57,9 @@ def meta_init_context(
             (the block runs in its default-device context). Random inits draw from its generator,
             as eager construction there does, and ``setup`` computes the values there
             (:mod:`~minifabric.init.generators`).
+        keep_on: where the kept parts wait for ``setup``: where the parameters will live (the CPU
+            when FSDP offloads them, so that a GPU holds no part of the model before ``setup``);
+            default ``device``.
 
     Example:
         >>> import torch
@@ -73,7 +79,7 @@ def meta_init_context(
         with noting_constructions(device) if verify else nullcontext():
             yield
         return
-    recorder = Recorder(keep, device)
+    recorder = Recorder(keep, device, keep_on)
 
     def on_parameter(module: nn.Module, name: str, param: nn.Parameter) -> nn.Parameter:
         with recorder.paused_recording():

@@ -73,10 +73,16 @@ class Recorder(TorchFunctionMode):
     real on ``device``, drawing from its generator as eager construction does.
     """
 
-    def __init__(self, keep: tuple[int, int] | None = None, device: torch.device | str = CPU) -> None:
+    def __init__(
+        self,
+        keep: tuple[int, int] | None = None,
+        device: torch.device | str = CPU,
+        keep_on: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         self.keep = keep
         self.device = torch.device(device)
+        self.keep_on = self.device if keep_on is None else torch.device(keep_on)  # where kept parts wait
         self.recording = Recording()  # what it records; held by the models built, not by the recorder
         self._scratch_bytes: torch.Tensor | None = None  # reused: page-faulted once, not per parameter
         self._alive: list[torch.Tensor] = []  # tracked meta tensors: their storages are never reused
@@ -329,7 +335,7 @@ class Recorder(TorchFunctionMode):
         parts, index = self.keep
         chunks = value.chunk(parts, 0)
         part = chunks[index] if index < len(chunks) else value.narrow(0, 0, 0)
-        base.kept = (self.keep, part.clone())
+        base.kept = (self.keep, part.to(self.keep_on, copy=True))
 
     def _fresh(self, func: Callable, args: tuple, kwargs: dict, result: torch.Tensor) -> torch.Tensor:
         """A meta tensor made from no tensor (``torch.zeros(n, device="meta")``): replayed on the build device."""

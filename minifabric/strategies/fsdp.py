@@ -247,6 +247,11 @@ class FSDPStrategy(Strategy):
         """The ``fully_shard`` arguments of this strategy, with ``mp_policy``."""
         return ShardSettings(self.mesh, self._reshard_after_forward, mp_policy, self._offload)
 
+    @property
+    def parameter_device(self) -> torch.device:
+        """With CPU offload FSDP keeps the sharded parameters in CPU memory; else the device."""
+        return torch.device("cpu") if self.cpu_offload else self.root_device
+
     def meta_init_part(self) -> tuple[int, int] | None:
         """``FULL_SHARD``/``SHARD_GRAD_OP`` shard every parameter's dim 0 over all ranks (``Shard(0)``)."""
         if self.sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
@@ -281,9 +286,7 @@ class FSDPStrategy(Strategy):
         if not isinstance(module, FSDPModule):
             shard_model(module, blocks, self._shard_settings(self.mp_policy))
         if places:
-            # With CPU offload FSDP keeps the sharded parameters in CPU memory: materialize them there.
-            param_device = torch.device("cpu") if self.cpu_offload else self.root_device
-            self._materialize(module, places, param_device, self.root_device)
+            self._materialize(module, places, self.parameter_device, self.root_device)
         self.ft.on_module(module)
         return module
 

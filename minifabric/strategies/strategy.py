@@ -231,6 +231,11 @@ class Strategy:
         module = self.precision.convert_module(module)
         return module.to(self.root_device)
 
+    @property
+    def parameter_device(self) -> torch.device:
+        """Where this rank's parameters live after ``setup`` (the CPU when FSDP offloads them)."""
+        return self.root_device
+
     def meta_init_part(self) -> tuple[int, int] | None:
         """Which part of each parameter this rank holds after ``setup``: chunk ``index`` of ``parts``
         along dim 0, as ``(parts, index)``; None if it is not one such chunk.
@@ -433,7 +438,9 @@ def _module_init_context(strategy: Strategy, empty_init: bool, verify: bool) -> 
     try:
         with strategy.precision.tensor_init_context(), device:
             if empty_init:
-                with meta_init_context(verify=verify, keep=strategy.meta_init_part(), device=device):
+                with meta_init_context(
+                    verify=verify, keep=strategy.meta_init_part(), device=device, keep_on=strategy.parameter_device
+                ):
                     yield
             else:
                 yield

@@ -107,11 +107,17 @@ def _placement(rank: int, strategy: str) -> dict:
     acc.launch()
     with acc.init_module(empty_init=True):
         model = NanoGPTStyle()
+    from minifabric.init.attach import handle_of
+
+    with acc.init_module(empty_init=True):
+        plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))  # one draw each: kept
+    kept = {handle_of(p).base.kept[1].device.type for p in plain.parameters() if handle_of(p).base.kept}
     inner = acc.setup(model).module
     local = [getattr(p, "_local_tensor", p) for p in inner.parameters()]
     return {
         "param_devices": sorted({t.device.type for t in local}),
         "buffer_devices": sorted({b.device.type for b in inner.buffers()}),
+        "kept_devices": sorted(kept),  # where the parts kept at construction waited for setup
     }
 
 
@@ -120,6 +126,7 @@ def test_meta_init_on_cuda_puts_parameters_and_buffers_where_eager_setup_does(st
     (result,) = run_distributed(_placement, 1, strategy, timeout=240)
     assert result["param_devices"] == (["cpu"] if strategy == "fsdp_cpu_offload" else ["cuda"])
     assert result["buffer_devices"] == ["cuda"]
+    assert result["kept_devices"] == result["param_devices"]  # offloaded: no part of the model on the GPU before setup
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

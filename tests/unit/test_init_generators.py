@@ -73,3 +73,11 @@ def test_each_rank_keeps_its_rows_of_the_dense_draw(parts: int, dtype: torch.dty
     from tests.init_styles import kept_parts_against_dense
 
     assert kept_parts_against_dense("cpu", parts, dtype) == []
+
+
+def test_kept_parts_wait_where_the_parameters_will_live():
+    """A strategy that keeps parameters elsewhere (FSDP's CPU offload) gets its kept parts there."""
+    with meta_init_context(keep=(2, 1), device="cpu", keep_on="meta"):
+        layer = nn.Linear(4, 6)
+    (parts, index), part = handle_of(layer.weight).base.kept
+    assert (parts, index) == (2, 1) and part.is_meta and part.shape == (3, 4)
