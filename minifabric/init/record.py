@@ -428,7 +428,9 @@ class Recorder(TorchFunctionMode):
             base.creator = Op(op.func, op.args, op.kwargs, op.seq, name, None, index if many else None)
             base.creator.rng, base.creator.device_rng = op.rng, op.device_rng
             base.creator.generators, base.creator.generator_devices = op.generators, op.generator_devices
-            self.track(meta, base)
+            # where eager construction has it (``w.cpu()`` in a GPU block: the CPU), unless the call drew
+            # from the build device's generator (then replay needs that device to restore it)
+            self.track(meta, base, device=out.device if op.device_rng is None else None)
             outputs.append(meta)
         return type(result)(outputs) if many else outputs[0]
 
