@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PYTHON, REPO, run_command
+from tests.helpers import PYTHON, REPO, free_port, run_command
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -40,7 +40,9 @@ def test_a_failed_background_save_at_the_end_of_a_script_fails_the_run_on_every_
 ) -> None:
     # `minifabric run` runs on torchrun, whose agent reported a failed rank with a traceback and a
     # table of about 40 lines; the ranks' own lines say it all
-    run = [PYTHON, "-m", "minifabric", "run", "--devices", str(devices)] if launcher != "python" else [PYTHON]
+    # a port of its own: torchrun's default one may be taken by another run on the machine
+    minifabric_run = [PYTHON, "-m", "minifabric", "run", "--devices", str(devices), "--main-port", str(free_port())]
+    run = minifabric_run if launcher != "python" else [PYTHON]
     done = run_command([*run, SCRIPT, mode, str(tmp_path), str(devices)], timeout=240, env=ENV)
     output = done.stdout + done.stderr
     assert done.returncode != 0, output

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import REPO, run_command
+from tests.helpers import REPO, free_port, run_command
 
 pytestmark = pytest.mark.distributed
 
@@ -19,7 +19,8 @@ SCRIPT = REPO / "examples" / "tensor_parallel.py"
 
 def test_example_trains_and_consolidates(tmp_path):
     ckpt = tmp_path / "ckpt"
-    command = [sys.executable, "-m", "minifabric", "run", "--devices", "4", str(SCRIPT), "--steps", "10"]
+    port = str(free_port())  # not torchrun's default port: another run on the machine may hold it
+    command = [sys.executable, "-m", "minifabric", "run", "--devices", "4", "--main-port", port, str(SCRIPT), "--steps", "10"]
     result = run_command([*command, "--out", str(ckpt)], timeout=240)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     assert "mesh (2, 2) ('data_parallel', 'tensor_parallel') on 4 processes" in result.stdout

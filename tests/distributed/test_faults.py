@@ -80,7 +80,8 @@ def _command(launcher: str, world: int, args: list[str]) -> list[str]:
         waits = "; ".join(f"wait $p{r} || code=1" for r in range(world))
         return ["sh", "-c", f"{'; '.join(ranks)}; code=0; {waits}; exit $code"]
     if launcher == "minifabric-run":
-        return [PYTHON, "-m", "minifabric", "run", "--devices", str(world), SCRIPT, *args]
+        port = str(free_port())  # not torchrun's default port: another run on the machine may hold it
+        return [PYTHON, "-m", "minifabric", "run", "--devices", str(world), "--main-port", port, SCRIPT, *args]
     if launcher == "torchrun":
         return [PYTHON, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--monitor-interval=0.1",
                 "--standalone", SCRIPT, *args]  # fmt: skip
