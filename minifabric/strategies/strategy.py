@@ -269,7 +269,7 @@ class Strategy:
         if not places:
             return
         if self.world_size > 1:  # per-rank seeds before construction: every rank replays rank 0's draws
-            adopt_rank_zero_init(places, self.global_rank, self.broadcast, self.any_rank)
+            adopt_rank_zero_init(places, self.global_rank)
         if not wants_check(built):
             materialize(module, places, device, buffer_device)
             return
