@@ -264,7 +264,7 @@ class FSDPStrategy(Strategy):
             return module
         if self.world_size > 1 and not all(t.is_meta for t in (*module.parameters(), *module.buffers())):
             # an eager block is sharded now: compare it with rank 0's construction now (per-rank seeds)
-            keep_rank_zero_tensors(module, self.root_device, self.broadcast, self.any_rank)
+            keep_rank_zero_tensors(module, self.root_device)
         apply_activation_checkpointing(module, self.activation_checkpointing_policy)
         with keeping_init_records(module):  # init written after `wrap` in __init__ is recorded too
             return shard_module(module, self._shard_settings(inner_policy(self.mp_policy)))
@@ -277,7 +277,7 @@ class FSDPStrategy(Strategy):
             if self.sync_module_states and not places:
                 broadcast_module_states(module, self.root_device)
             else:  # each rank keeps its slice: they must all be slices of rank 0's model, as under DDP
-                keep_rank_zero_tensors(module, self.root_device, self.broadcast, self.any_rank)
+                keep_rank_zero_tensors(module, self.root_device)
         module = self.precision.convert_module(module)
         apply_activation_checkpointing(module, self.activation_checkpointing_policy)
         blocks = [] if isinstance(module, FSDPModule) else self._blocks(module)

@@ -61,6 +61,7 @@ from minifabric.strategies.model_parallel_checks import (
     resolve_sizes,
     tied_parameters,
 )
+from minifabric.strategies.rank_zero_init import keep_rank_zero_tensors
 from minifabric.strategies.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -198,9 +199,14 @@ class ModelParallelStrategy(Strategy):
         old ``Parameter`` objects) gets their values; a meta tensor it made without taking one over
         is refused, naming it. A model built under plain ``torch.device("meta")`` is materialized
         first, as under ``"fsdp"`` (each module's ``reset_parameters()``, Lightning Fabric's way).
+        Before ``parallelize_fn`` runs, every rank takes rank 0's real (eagerly built) tensors where
+        any rank's differ (a script that seeded each rank differently before building the model),
+        as under ``"fsdp"``: the function shards one model, not each rank's own draws.
         """
         module, compiler = self._compiler(module)
         places = self._recorded_places(module)  # raises before any collective if an init cannot be reproduced
+        if self.world_size > 1:  # per-rank seeds before construction: parallelize_fn shards rank 0's tensors
+            keep_rank_zero_tensors(module, self.root_device)
         fn = getattr(self.parallelize_fn, "__name__", repr(self.parallelize_fn))
         if not places:
             parallelized = self.parallelize(module.to(self.root_device), compiler)

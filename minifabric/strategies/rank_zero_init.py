@@ -8,17 +8,23 @@ from one, 48-95 from another). ``setup`` therefore compares, at small cost, what
 with rank 0's, and on a difference makes every rank take rank 0's:
 
 - :func:`adopt_rank_zero_init`: for a meta-built model, a digest of the generator states and real
-  tensors its recorded init reads (one small broadcast and one flag); on a difference rank 0's
-  states are sent and replayed everywhere, so each rank materializes its part of rank 0's model.
+  tensors its recorded init reads; on a difference rank 0's states are sent and replayed
+  everywhere, so each rank materializes its part of rank 0's model.
 - :func:`keep_rank_zero_tensors`: for real (eagerly built) parameters and buffers, three float64
   checksums per tensor (its sum, its norm and a position-weighted sum); on a difference rank 0's tensors are broadcast.
 
-Both are collectives: every rank calls them at the same point of ``setup``.
+Both are collectives: every rank calls them at the same point of ``setup``. Each rank's digest is
+all-gathered on the default group (a few bytes per rank) and every rank decides from that same
+list, so all ranks take the same branch. Not from a rank's own view plus ``Strategy.any_rank``:
+where the Accelerator adopted a process group (the script's ``init_process_group``, Ray Train, a
+second Accelerator in the process) that flag is not communicated, rank 0 (comparing with itself)
+went on, and another rank waited in a broadcast rank 0 never entered.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+import math
 from typing import Any
 
 import torch
@@ -28,11 +34,8 @@ from torch import nn
 from minifabric import collectives
 from minifabric.init.states import adopt_inputs, digest, init_inputs
 
-Broadcast = Callable[[Any, int], Any]
-AnyRank = Callable[[bool], bool]
 
-
-def adopt_rank_zero_init(places: list, rank: int, broadcast: Broadcast, any_rank: AnyRank) -> bool:
+def adopt_rank_zero_init(places: list, rank: int) -> bool:
     """Make the recorded init of ``places`` replay rank 0's random draws on every rank.
 
     Returns whether this run's ranks had recorded different draws (and now replay rank 0's).
@@ -44,10 +47,9 @@ def adopt_rank_zero_init(places: list, rank: int, broadcast: Broadcast, any_rank
         return False
     handles = [place[3] for place in places]
     inputs = init_inputs(handles)
-    mine = digest(inputs)
-    if not any_rank(broadcast(mine, 0) != mine):
+    if _alike(collectives.all_gather_object(digest(inputs))):
         return False
-    theirs = broadcast(inputs if rank == 0 else None, 0)
+    theirs = collectives.broadcast_object(inputs if rank == 0 else None, 0)
     error = None
     if rank != 0:
         try:
@@ -58,6 +60,11 @@ def adopt_rank_zero_init(places: list, rank: int, broadcast: Broadcast, any_rank
     if errors:
         raise ValueError(errors[0])
     return True
+
+
+def _alike(every_rank: list[Any]) -> bool:
+    """Whether all ranks' entries (one all-gathered list, the same on every rank) equal rank 0's."""
+    return all(entry == every_rank[0] for entry in every_rank)
 
 
 def _simulated() -> bool:
@@ -112,9 +119,7 @@ def _positional_sum(x: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
     return total
 
 
-def keep_rank_zero_tensors(
-    module: nn.Module, device: torch.device, broadcast: Broadcast, any_rank: AnyRank
-) -> bool:
+def keep_rank_zero_tensors(module: nn.Module, device: torch.device) -> bool:
     """Give every rank rank 0's real parameters and buffers where any rank's differ (before sharding).
 
     Returns whether they differed (and were broadcast).
@@ -126,17 +131,17 @@ def keep_rank_zero_tensors(
         return False
     named = _real_tensors(module)
     layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in named]
-    # plain floats: no tensor unpickled under a device context (``wrap`` runs inside ``init_module``)
-    sums = _checksums([t for _, t in named]).tolist()
-    zero_layout, zero_sums = broadcast((layout, sums), 0)
-    if not any_rank(zero_layout != layout or zero_sums != sums):
-        return False
-    if any_rank(zero_layout != layout):
+    values = _values_digest(_checksums([t for _, t in named]))
+    every_rank = collectives.all_gather_object((_hash(layout), values))
+    if not _alike([layout for layout, _ in every_rank]):
+        differing = [r for r, (theirs, _) in enumerate(every_rank) if theirs != every_rank[0][0]]
         raise ValueError(
             f"The ranks built different models: {type(module).__name__} has other parameters or buffers"
-            " (names, shapes or dtypes) here than on rank 0. Every rank must build the same model before"
-            " `acc.setup(model)`."
+            f" (names, shapes or dtypes) on rank {differing[0]} than on rank 0. Every rank must build the"
+            " same model before `acc.setup(model)`."
         )
+    if _alike(every_rank) and every_rank[0][1] is not None:
+        return False
     with torch.no_grad():
         for _, t in named:
             local = t.detach()
@@ -145,3 +150,15 @@ def keep_rank_zero_tensors(
             if work.data_ptr() != local.data_ptr():
                 local.copy_(work)
     return True
+
+
+def _hash(obj: Any) -> str:
+    return hashlib.blake2b(repr(obj).encode(), digest_size=16).hexdigest()
+
+
+def _values_digest(checksums: torch.Tensor) -> str | None:
+    """A digest of the checksums; None where one is NaN (no value to compare: rank 0's tensors are taken)."""
+    numbers = checksums.flatten().tolist()
+    if any(math.isnan(x) for x in numbers):
+        return None
+    return _hash([x.hex() for x in numbers])

@@ -281,7 +281,7 @@ class Strategy:
                 " `acc.init_module(empty_init=True, verify=True)`."
             )
         if self.world_size > 1:  # per-rank seeds before construction: every rank replays rank 0's draws
-            adopt_rank_zero_init(places, self.global_rank, self.broadcast, self.any_rank)
+            adopt_rank_zero_init(places, self.global_rank)
         if not checking:
             materialize(module, places, device, buffer_device)
             return

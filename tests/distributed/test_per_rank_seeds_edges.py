@@ -8,6 +8,11 @@ and checksums of setup could miss; every rank must end with rank 0's model, or r
   ``setup``, too late to compare with rank 0's.
 - An eagerly built model under ``ModelParallelStrategy``, whose ``parallelize_fn`` shards it as
   each rank built it.
+- A process group the Accelerator adopts (the script's own ``init_process_group``; Ray Train's; an
+  earlier Accelerator's in the same process): every rank must still decide alike whether to take
+  rank 0's model. Deciding from each rank's own view let rank 0 (comparing with itself) go on
+  while another rank waited in a broadcast rank 0 never entered: it hung or paired the wrong
+  collectives, and one rank kept its own draws.
 """
 
 from __future__ import annotations
@@ -16,11 +21,12 @@ import random
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from minifabric import Accelerator, ModelParallelStrategy, wrap
 from tests.helpers import run_distributed
-from tests.init_styles import mismatches
+from tests.init_styles import NanoGPTStyle, mismatches
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -50,8 +56,10 @@ def shard_over_data_parallel(model: nn.Module, mesh: object) -> nn.Module:
 
 
 def seeded_per_rank(
-    rank: int, world_size: int, cls: type, empty_init: bool, strategy: str = "fsdp"
+    rank: int, world_size: int, cls: type, empty_init: bool, strategy: str = "fsdp", adopted: bool = False
 ) -> str | list[str]:
+    if adopted:
+        dist.init_process_group("gloo")  # the script's own process group, before the Accelerator
     chosen = ModelParallelStrategy(shard_over_data_parallel) if strategy == "model_parallel" else strategy
     acc = Accelerator(accelerator="cpu", strategy=chosen, devices=world_size)
     acc.launch()
@@ -64,7 +72,11 @@ def seeded_per_rank(
         model = acc.setup(model)
     except ValueError as e:
         return str(e)
-    return mismatches(rank_zero_model, model)
+    found = mismatches(rank_zero_model, model)
+    # The ranks end together: where gathering the weights needs no collective (a data-parallel mesh
+    # of size 1), a rank that ended first, without leaving, was taken for dead and stopped the other.
+    acc.barrier()
+    return found
 
 
 def test_python_random_init_arguments_under_per_rank_seeds() -> None:
@@ -77,11 +89,31 @@ def test_blocks_wrapped_during_construction_set_up_rank_zeros_model() -> None:
     assert run_distributed(seeded_per_rank, 2, 2, Wrapped, False, timeout=240) == [[]] * 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known open: an eagerly built model under ModelParallelStrategy keeps each rank's own draws"
-    " (the comparison before parallelize_fn hung tests/distributed/test_model_parallel_meta.py: cause not found yet)",
-)
 def test_model_parallel_sets_up_rank_zeros_model() -> None:
     results = run_distributed(seeded_per_rank, 2, 2, RandomStd, False, "model_parallel", timeout=240)
     assert results == [[]] * 2
+
+
+@pytest.mark.parametrize(("strategy", "empty_init"), [("fsdp", False), ("fsdp", True), ("model_parallel", False)])
+def test_per_rank_seeds_in_an_adopted_process_group_set_up_rank_zeros_model(strategy: str, empty_init: bool) -> None:
+    results = run_distributed(seeded_per_rank, 2, 2, NanoGPTStyle, empty_init, strategy, True, timeout=120)
+    assert results == [[]] * 2
+
+
+def other_model_on_rank_one(rank: int) -> str:
+    dist.init_process_group("gloo")
+    acc = Accelerator(accelerator="cpu", strategy="fsdp", devices=2)
+    acc.launch()
+    model = NanoGPTStyle()
+    if rank == 1:
+        model.extra = nn.Linear(2, 2)
+    try:
+        acc.setup(model)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_that_built_other_tensors_raise_on_every_rank_naming_the_rank() -> None:
+    results = run_distributed(other_model_on_rank_one, 2, timeout=120)
+    assert all("on rank 1 than on rank 0" in r for r in results), results
