@@ -119,7 +119,15 @@ class Rank:
         self.steps += 1
 
     def any_rank(self, flag: bool) -> bool:
-        """Whether ``flag`` is True on any rank (on this rank's gloo group)."""
+        """Whether ``flag`` is True on any rank (one all-reduce on this rank's gloo group).
+
+        Every rank must call it at the same point: in a process group this rank did not create
+        (adopted: the script's own ``init_process_group``, Ray Train, a second Accelerator) the
+        small gloo group is made at the first call, which every rank makes together. Without a
+        process group of several ranks it is ``flag``.
+        """
+        if self._stop_group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            self._stop_group = dist.new_group(backend="gloo")
         return collectives.any_rank(flag, self._stop_group) if self._stop_group is not None else flag
 
     def holds_stop_signals(self) -> bool:
@@ -139,10 +147,6 @@ class Rank:
         if self._stop_reads == 0:
             self._preempted = ray.preemption_reader()
         self._stop_reads += 1
-        if self._stop_group is None and dist.is_initialized() and dist.get_world_size() > 1:
-            # a process group this rank did not create (adopted): every rank is at this same
-            # read, so the small gloo group can be made here
-            self._stop_group = dist.new_group(backend="gloo")
         # called on every read (never skipped by a signal already received): Ray counts the calls
         preempted = self._preempted is not None and self._preempted()
         return self.any_rank(stop_requested() or preempted)
