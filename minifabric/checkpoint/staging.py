@@ -296,10 +296,13 @@ def stage(tree: Any, staging: Staging) -> Snapshot:
             snapshot.device = snapshot.device or tensor.device
             streams[tensor.device] = device.stream(tensor.device)
             device.after_current(streams[tensor.device])
-        if staging.fits(path, tensor, on_device=True):
+        fits = staging.fits(path, tensor, on_device=True)
+        on_device = _device_copy(tensor) if not fits and room[tensor.device] else None
+        target: torch.Tensor
+        if fits:
             route, target = ("page-locked" if path in staging.pinned else "pageable"), staging.buffers[path]
-        elif room[tensor.device] and (target := _device_copy(tensor)) is not None:
-            route = "device"
+        elif on_device is not None:
+            route, target = "device", on_device
             snapshot.landing[path] = route
         else:
             route, target = "pageable", staging.allocate(path, tensor, pinned=False)

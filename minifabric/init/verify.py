@@ -182,7 +182,7 @@ def self_check(
         )
         return None
     with (
-        drawing_from(*built.rng_before, built.device),
+        drawing_from(built.rng_before[0], built.rng_before[1], built.device),
         _host_rng(built.host_before),
         build_context(),
         torch.device(built.device),
