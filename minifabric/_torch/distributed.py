@@ -7,6 +7,7 @@ import sys
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -198,6 +199,14 @@ def default_store() -> Any:
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store()
+
+
+def group_timeout(group: Any = None) -> timedelta:
+    """The collective timeout of ``group`` (default: the default process group), as it was created."""
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    pg = _get_default_group() if group is None else group
+    return pg._get_backend(pg._device_types[0]).options._timeout
 
 
 def fsdp_policy(module: nn.Module) -> Any:

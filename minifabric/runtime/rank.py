@@ -37,7 +37,7 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 
 from minifabric import collectives, process
-from minifabric._torch import default_store
+from minifabric._torch import default_store, group_timeout
 from minifabric.runtime import heartbeat, ray, signals
 from minifabric.runtime.environment import destroy_process_group, exit_barrier_group, init_process_group
 from minifabric.runtime.hang import HangWatch
@@ -123,11 +123,12 @@ class Rank:
 
         Every rank must call it at the same point: in a process group this rank did not create
         (adopted: the script's own ``init_process_group``, Ray Train, a second Accelerator) the
-        small gloo group is made at the first call, which every rank makes together. Without a
-        process group of several ranks it is ``flag``.
+        small gloo group is made at the first call, which every rank makes together, with the
+        adopted group's timeout (not torch's default). Without a process group of several ranks it
+        is ``flag``.
         """
         if self._stop_group is None and dist.is_initialized() and dist.get_world_size() > 1:
-            self._stop_group = dist.new_group(backend="gloo")
+            self._stop_group = dist.new_group(backend="gloo", timeout=group_timeout())
         return collectives.any_rank(flag, self._stop_group) if self._stop_group is not None else flag
 
     def holds_stop_signals(self) -> bool:
