@@ -201,12 +201,19 @@ def default_store() -> Any:
     return _get_default_store()
 
 
-def group_timeout(group: Any = None) -> timedelta:
-    """The collective timeout of ``group`` (default: the default process group), as it was created."""
+def group_timeout(group: Any = None) -> timedelta | None:
+    """The collective timeout of ``group`` (default: the default process group), as it was created.
+
+    None where this torch or backend does not expose it (a group made with it then gets torch's
+    default timeout, as before).
+    """
     from torch.distributed.distributed_c10d import _get_default_group
 
     pg = _get_default_group() if group is None else group
-    return pg._get_backend(pg._device_types[0]).options._timeout
+    try:
+        return pg._get_backend(pg._device_types[0]).options._timeout
+    except (AttributeError, IndexError, RuntimeError):
+        return None
 
 
 def fsdp_policy(module: nn.Module) -> Any:
