@@ -13,6 +13,8 @@ pieces, bottom to top:
 - :mod:`~minifabric.init.generators`: the random streams a recipe draws from (the CPU's, the build
   device's).
 - :mod:`~minifabric.init.record`: the ``TorchFunctionMode`` that records it.
+- :mod:`~minifabric.init.draws`: the recorder's real runs of random calls on the build device, and
+  the parts it keeps.
 - :mod:`~minifabric.init.verify`: the self-check against eager construction.
 - :mod:`~minifabric.init.context`: the ``init_module`` context.
 - :mod:`~minifabric.init.states`: what ranks compare to agree on one model's random draws.

@@ -104,7 +104,7 @@ def meta_init_context(
                 yield
         recorder.settle()
     finally:
-        recorder.release()
+        recorder.draws.release()
         _RECORDER.reset(token)
         # what is written from now on is not recorded: `setup` refuses it (the outermost context)
         recorder.recording.seal()

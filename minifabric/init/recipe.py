@@ -33,7 +33,7 @@ class Base:
     creator: Op | None = None  # origin "computed": the call that produced it
     ops: list[Op] = field(default_factory=list)
     problem: str | None = None  # why its value cannot be reproduced (raised at setup)
-    #: ((parts, index), chunk ``index`` of the value along dim 0), kept from construction (see Recorder._keep)
+    #: ((parts, index), chunk ``index`` of the value along dim 0), kept from construction (see Draws._keep)
     kept: tuple[tuple[int, int], torch.Tensor] | None = None
     #: where eager construction computes its value (the build device; see :mod:`~minifabric.init.generators`)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))

@@ -54,9 +54,10 @@ from minifabric.init.calls import (
     is_inplace,
     to_meta,
 )
-from minifabric.init.generators import CPU, advanced, same_device, states
+from minifabric.init.draws import Draws
+from minifabric.init.generators import CPU, same_device
 from minifabric.init.recipe import TARGET, Base, Handle, Op, Real, Ref
-from minifabric.init.replay import apply_chain, call, resolver
+from minifabric.init.replay import resolver
 
 
 class Unrecordable(ValueError):
@@ -80,11 +81,9 @@ class Recorder(TorchFunctionMode):
         keep_on: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        self.keep = keep
         self.device = torch.device(device)
-        self.keep_on = self.device if keep_on is None else torch.device(keep_on)  # where kept parts wait
+        self.draws = Draws(self.device, keep, self.device if keep_on is None else torch.device(keep_on))
         self.recording = Recording()  # what it records; held by the models built, not by the recorder
-        self._scratch_bytes: torch.Tensor | None = None  # reused: page-faulted once, not per parameter
         self._alive: list[torch.Tensor] = []  # tracked meta tensors: their storages are never reused
         self._by_storage: dict[int, list[tuple[torch.Tensor, Handle]]] = {}
         # id of a tracked tensor (kept alive by `_alive`) -> its memory layout when tracked, and
@@ -279,63 +278,9 @@ class Recorder(TorchFunctionMode):
                 pass  # no meta kernel, or meta cannot take it (`out=` under a device context)
         base.kept = None  # a value kept from an earlier op is stale now
         if seeded:
-            self._advance_rng(op)
+            self.draws.advance(op)
         base.ops.append(op)
         return None if name == "__setitem__" else target
-
-    def _advance_rng(self, op: Op) -> None:
-        """Run ``op`` for real on a scratch target so the random streams advance as in eager construction."""
-        gens = {k: v for k, v in op.kwargs.items() if isinstance(v, torch.Generator)}
-        op.generators = {k: g.get_state() for k, g in gens.items()}
-        op.generator_devices = {k: g.device for k, g in gens.items()}
-        before = states(self.device)
-        scratch = None
-        resolve = resolver()
-        device = self.device if op.target is None else op.target.base.device  # where eager runs it
-        if op.target is not None:
-            base = op.target.base
-            stride = base.stride or torch.empty(base.shape, device="meta").stride()
-            scratch = self._scratch(base.shape, stride, base.dtype, device)
-            scratch = apply_chain(scratch, op.target.chain, resolve)
-        call(op, scratch, resolve, dict(gens), device)
-        op.rng, op.device_rng = advanced(before, self.device)
-        if op.target is not None and not op.target.chain and not op.target.base.ops:
-            self._keep(op.target.base, scratch)
-        if all(torch.equal(op.generators[k], g.get_state()) for k, g in gens.items()):
-            op.generators, op.generator_devices = {}, {}
-
-    def _scratch(
-        self, shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        """An uninitialized tensor of ``shape`` and ``stride`` on ``device``, in memory reused from call
-        to call on the build device."""
-        if device != self.device:  # a tensor eager construction holds elsewhere (a CPU one in a CUDA block)
-            return torch.empty_strided(shape, stride, dtype=dtype, device=device)
-        size = 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) if all(shape) else 0
-        nbytes = size * dtype.itemsize
-        if self._scratch_bytes is None or self._scratch_bytes.numel() < nbytes:
-            self._scratch_bytes = None
-            self._scratch_bytes = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
-        return self._scratch_bytes[:nbytes].view(dtype).as_strided(shape, stride)
-
-    def release(self) -> None:
-        """Free the scratch memory (at the end of the context)."""
-        self._scratch_bytes = None
-
-    def _keep(self, base: Base, value: Any) -> None:
-        """Keep this rank's part of the value the first write of an uninitialized base computed.
-
-        ``keep`` is ``(parts, index)``: the part ``setup`` will place on this rank is chunk ``index``
-        of ``parts`` along dim 0 (``(1, 0)``: all of it). Replay at ``setup`` then only copies it,
-        instead of running the (random) op a second time; ``setup`` uses it only where the
-        parameter's placement is exactly that chunk, and replays otherwise.
-        """
-        if self.keep is None or base.origin != "empty" or value is None or value.dim() == 0:
-            return
-        parts, index = self.keep
-        chunks = value.chunk(parts, 0)
-        part = chunks[index] if index < len(chunks) else value.narrow(0, 0, 0)
-        base.kept = (self.keep, part.to(self.keep_on, copy=True))
 
     def _fresh(self, func: Callable, args: tuple, kwargs: dict, result: torch.Tensor) -> torch.Tensor:
         """A meta tensor made from no tensor (``torch.zeros(n, device="meta")``): replayed on the build device."""
@@ -343,7 +288,7 @@ class Recorder(TorchFunctionMode):
         if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta":
             kwargs = {**kwargs, "device": self.device}
         base.creator = Op(func, args, kwargs, process.next_number(), call_name(func))
-        self._advance_rng(base.creator)
+        self.draws.advance(base.creator)
         self.track(result, base)
         return result
 
@@ -399,7 +344,7 @@ class Recorder(TorchFunctionMode):
             except Unrecordable as e:
                 base.problem = f"`{name}` {e}"
             if base.creator is not None and probe.seeded:
-                self._advance_rng(base.creator)
+                self.draws.advance(base.creator)
             self.track(out, base)
         return result
 
@@ -410,13 +355,7 @@ class Recorder(TorchFunctionMode):
         before it are what replay needs.
         """
         op = self._op(func, name, args, kwargs)
-        gens = {k: v for k, v in op.kwargs.items() if isinstance(v, torch.Generator)}
-        given = {k: g.get_state() for k, g in gens.items()}
-        before = states(self.device)
-        result = call(op, None, resolver(), dict(gens), self.device)
-        op.rng, op.device_rng = advanced(before, self.device)
-        op.generators = {k: s for k, s in given.items() if not torch.equal(s, gens[k].get_state())}
-        op.generator_devices = {k: gens[k].device for k in op.generators}
+        result = self.draws.run(op)
         many = isinstance(result, (tuple, list))
         outputs = []
         for index, out in enumerate(result if many else (result,)):
