@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 from minifabric.strategies.ddp import DDPStrategy
 from minifabric.strategies.ft.config import FaultTolerance
+from minifabric.strategies.init_context import wrap
 from minifabric.strategies.single import SingleDeviceStrategy
-from minifabric.strategies.strategy import Strategy, wrap
+from minifabric.strategies.strategy import Strategy
 
 if TYPE_CHECKING:
     from minifabric.strategies.fsdp import FSDPStrategy

@@ -11,10 +11,9 @@ the strategy type.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
-from contextlib import contextmanager, nullcontext
-from contextvars import ContextVar
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,7 +28,6 @@ from minifabric._torch import return_freed_memory
 from minifabric.init import (
     InitMismatch,
     materialize,
-    meta_init_context,
     places_to_materialize,
     self_check,
     wants_check,
@@ -47,6 +45,7 @@ from minifabric.strategies.compile import (
     resolve_compiler,
     split_compiled,
 )
+from minifabric.strategies.init_context import module_init_context
 from minifabric.strategies.rank_zero_init import adopt_rank_zero_init
 
 if TYPE_CHECKING:
@@ -203,7 +202,7 @@ class Strategy:
 
     def module_init_context(self, empty_init: bool | None = None, verify: bool = False) -> ContextManager:
         """Where and in which dtype ``init_module`` creates a model (``verify``: see ``init_module``)."""
-        return _module_init_context(self, bool(empty_init), verify)
+        return module_init_context(self, bool(empty_init), verify)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Materialize, convert precision and move to device; return the module forward should call.
@@ -425,39 +424,3 @@ class Strategy:
     def wrap(self, module: nn.Module) -> nn.Module:
         """Shard ``module`` now (FSDP); other strategies return it unchanged."""
         return module
-
-
-_ACTIVE_INIT: ContextVar[Strategy | None] = ContextVar("minifabric_active_init", default=None)
-
-
-@contextmanager
-def _module_init_context(strategy: Strategy, empty_init: bool, verify: bool) -> Generator[None, None, None]:
-    # Meta init records on the device eager construction would use: the same random streams.
-    device = strategy.root_device
-    token = _ACTIVE_INIT.set(strategy)
-    try:
-        with strategy.precision.tensor_init_context(), device:
-            if empty_init:
-                with meta_init_context(
-                    verify=verify, keep=strategy.meta_init_part(), device=device, keep_on=strategy.parameter_device
-                ):
-                    yield
-            else:
-                yield
-    finally:
-        _ACTIVE_INIT.reset(token)
-
-
-def wrap(module: nn.Module) -> nn.Module:
-    """Shard ``module`` with the FSDP settings of the enclosing ``acc.init_module()``; return it.
-
-    Outside ``init_module``, or under any strategy other than FSDP, this returns ``module``
-    unchanged, so the same model code runs everywhere.
-
-    Example:
-        >>> import torch
-        >>> from minifabric import wrap
-        >>> layer = wrap(torch.nn.Linear(4, 4))  # no-op outside acc.init_module()
-    """
-    strategy = _ACTIVE_INIT.get()
-    return strategy.wrap(module) if strategy is not None else module
