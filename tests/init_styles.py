@@ -125,13 +125,16 @@ def mismatches(expected: nn.Module, actual: nn.Module) -> list[str]:
     return sorted(set(a) ^ set(b)) + [k for k in a if k in b and not torch.equal(a[k], b[k])]
 
 
-def kept_parts_against_dense(device: str, parts: int, dtype: torch.dtype = torch.float32) -> list[str]:
+def kept_parts_against_dense(
+    device: str, parts: int, dtype: torch.dtype = torch.float32, large: bool = False
+) -> list[str]:
     """Build a model under meta init as each of ``parts`` ranks would (``keep=(parts, rank)``) on
     ``device``; compare every kept part with the same rows of eager construction on ``device``.
 
     Returns the differences, as ``"rank r: name"`` (and ``"rank r: stream"`` when the device's
     generator after construction is not where eager construction leaves it). Uneven sizes (rows not
-    divisible by ``parts``) and an init of several rounds of random numbers are included.
+    divisible by ``parts``) and an init of several rounds of random numbers are included; ``large``
+    adds layers of many rounds of a GPU's random kernels (ranks draw their rows of those alone).
     """
     from minifabric.init import meta_init_context
     from minifabric.init.attach import handle_of
@@ -141,6 +144,8 @@ def kept_parts_against_dense(device: str, parts: int, dtype: torch.dtype = torch
             nn.Embedding(1000, 37, dtype=dtype), nn.Linear(37, 203, dtype=dtype), nn.Linear(203, 5, dtype=dtype)
         )
         nn.init.trunc_normal_(model[1].weight, std=0.02)
+        if large:  # 4099 x 2048 (kaiming_uniform_) and 32000 x 512 (normal_): rows uneven at 2, 3 and 8
+            model.append(nn.Sequential(nn.Linear(2048, 4099, dtype=dtype), nn.Embedding(32000, 512, dtype=dtype)))
         return model
 
     def stream() -> torch.Tensor:

@@ -13,6 +13,7 @@ One module per seam; import the names from here:
 - :mod:`.init`: what meta-device init needs (module patches, storage keys, the seeded-op probe, frame walks).
 - :mod:`.distributed`: private ``torch.distributed`` (FSDP2 policy, DTensor layouts, store, fake worlds,
   the end-of-backward callback).
+- :mod:`.philox`: one range of a dense random fill on CUDA, drawn alone (ATen's Philox round arithmetic).
 - :mod:`.serialization`: private ``torch.serialization`` and DCP's file layout.
 - :mod:`.compiled`: ``torch.compile`` wrappers.
 """
@@ -53,6 +54,7 @@ from minifabric._torch.init import (
     tensor_version,
     torch_init_call,
 )
+from minifabric._torch.philox import draw_part
 from minifabric._torch.serialization import dcp_storage_info, save_without_crc32
 from minifabric._torch.switches import (
     TUNE_MALLOC_VAR,
@@ -77,6 +79,7 @@ __all__ = [
     "default_dtype",
     "default_store",
     "differentiable_all_gather",
+    "draw_part",
     "fake_tensor_mode",
     "fake_world",
     "forget_unscale",

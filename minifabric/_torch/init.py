@@ -117,13 +117,18 @@ def swap_module_tensors(module: nn.Module, fn: Callable[[torch.Tensor], torch.Te
 
 
 class _SeededOpProbe:
-    """Collects the ATen ops tagged ``nondeterministic_seeded`` (they draw from a generator) run inside it."""
+    """Collects the ATen ops tagged ``nondeterministic_seeded`` (they draw from a generator) run inside it.
+
+    ``seeded`` names them; ``calls`` holds every op run inside that draws or writes into a tensor
+    (``(op, args, kwargs)``, in order): see :meth:`fill`.
+    """
 
     _mode_class: Any = None
 
     def __init__(self) -> None:
         self.seeded: list[str] = []
-        self._mode = _probe_mode_class()(self.seeded)
+        self.calls: list[tuple[Any, tuple, dict]] = []
+        self._mode = _probe_mode_class()(self.seeded, self.calls)
 
     def __enter__(self) -> _SeededOpProbe:
         self._mode.__enter__()
@@ -131,6 +136,18 @@ class _SeededOpProbe:
 
     def __exit__(self, *exc: Any) -> None:
         self._mode.__exit__(*exc)
+
+    def fill(self, target: torch.Tensor) -> Any:
+        """The dense random fill of all of ``target`` the probed call was, if it was only that
+        (:func:`minifabric._torch.philox.dense_fill`); else None."""
+        from minifabric._torch.philox import dense_fill
+
+        return dense_fill(self.calls, target)
+
+
+def _writes(func: Any) -> bool:
+    """Whether an ATen op writes into one of its arguments (its schema marks it: in-place, ``out=``)."""
+    return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
 
 
 def _probe_mode_class() -> Any:
@@ -144,13 +161,16 @@ def _probe_mode_class() -> Any:
                 # at first use, and nothing is compiled inside the probe.
                 return False
 
-            def __init__(self, seen: list[str]) -> None:
+            def __init__(self, seen: list[str], calls: list) -> None:
                 super().__init__()
-                self.seen = seen
+                self.seen, self.calls = seen, calls
 
             def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-                if torch.Tag.nondeterministic_seeded in func.tags:
+                seeded = torch.Tag.nondeterministic_seeded in func.tags
+                if seeded:
                     self.seen.append(str(func))
+                if seeded or _writes(func):
+                    self.calls.append((func, tuple(args), dict(kwargs or {})))
                 return func(*args, **(kwargs or {}))
 
         _SeededOpProbe._mode_class = Mode

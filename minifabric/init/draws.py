@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from minifabric.init.generators import advanced, states
+from minifabric._torch import draw_part
+from minifabric.init.generators import advanced, same_device, states
 from minifabric.init.recipe import Base, Op
 from minifabric.init.replay import apply_chain, call, resolver
 
@@ -53,10 +54,30 @@ class Draws:
             return
         base = op.target.base
         stride = base.stride or torch.empty(base.shape, device="meta").stride()
+        if not op.target.chain and not base.ops and self._draw_part(op, base, stride):
+            return
         scratch = apply_chain(self._scratch(base.shape, stride, base.dtype, base.device), op.target.chain, resolver())
         self.run(op, scratch, base.device)
         if not op.target.chain and not base.ops:
             self._keep(base, scratch)
+
+    def _draw_part(self, op: Op, base: Base, stride: tuple[int, ...]) -> bool:
+        """Keep this rank's rows of the first write of an uninitialized base without drawing the other
+        ranks' rows, where that is exact: a dense ``normal_``/``uniform_`` fill of all of a contiguous
+        tensor on CUDA (:func:`minifabric._torch.philox.draw_part`). False where it does not apply."""
+        if op.fill is None or self.keep is None or self.keep[0] == 1 or base.origin != "empty" or not base.shape:
+            return False
+        if not same_device(base.device, self.device) or stride != torch.empty(base.shape, device="meta").stride():
+            return False
+        lo, hi = rows_of(base.shape[0], *self.keep)
+        row = base.shape[1:].numel()
+        before = states(self.device)
+        part = draw_part(op.fill, base.shape.numel(), base.dtype, self.device, lo * row, hi * row)
+        if part is None:
+            return False
+        op.rng, op.device_rng = advanced(before, self.device)
+        base.kept = (self.keep, part.view(hi - lo, *base.shape[1:]).to(self.keep_on, copy=True))
+        return True
 
     def _scratch(
         self, shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype, device: torch.device
@@ -86,7 +107,14 @@ class Draws:
         """
         if self.keep is None or base.origin != "empty" or value.dim() == 0:
             return
-        parts, index = self.keep
-        chunks = value.chunk(parts, 0)
-        part = chunks[index] if index < len(chunks) else value.narrow(0, 0, 0)
-        base.kept = (self.keep, part.to(self.keep_on, copy=True))
+        lo, hi = rows_of(value.shape[0], *self.keep)
+        base.kept = (self.keep, value[lo:hi].to(self.keep_on, copy=True))
+
+
+def rows_of(rows: int, parts: int, index: int) -> tuple[int, int]:
+    """The rows ``[lo, hi)`` of chunk ``index`` of ``parts`` along dim 0 of ``rows`` rows, as
+    ``torch.chunk`` (and FSDP's ``Shard(0)``) cut them: chunks of ``ceil(rows / parts)``, the last ones
+    shorter or empty."""
+    size = -(-rows // parts)
+    lo = min(index * size, rows)
+    return lo, min(lo + size, rows)

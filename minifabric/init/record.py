@@ -274,6 +274,7 @@ class Recorder(TorchFunctionMode):
                 with seeded_op_probe() as probe:
                     func(*to_meta(args), **to_meta(kwargs))
                 seeded = bool(probe.seeded)
+                op.fill = probe.fill(target) if seeded else None
             except (NotImplementedError, RuntimeError):
                 pass  # no meta kernel, or meta cannot take it (`out=` under a device context)
         base.kept = None  # a value kept from an earlier op is stale now

@@ -7,6 +7,7 @@ and CUDA generators in the same states, under every strategy (one GPU) and with 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -136,3 +137,69 @@ def test_each_rank_keeps_its_rows_of_the_dense_draw_on_cuda(parts: int, dtype: t
     from tests.init_styles import kept_parts_against_dense
 
     assert kept_parts_against_dense("cuda", parts, dtype) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("parts", [2, 3, 8])
+def test_each_rank_draws_its_rows_of_large_layers_alone_and_they_equal_the_dense_draw(
+    parts: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Layers of many rounds: each rank draws only the rounds that hold its rows (counted), and keeps
+    exactly its rows of eager construction on the GPU; the generator ends where eager leaves it."""
+    from minifabric.init import draws
+    from tests.init_styles import kept_parts_against_dense
+
+    partial, draw_part = [], draws.draw_part
+
+    def counted(*args, **kwargs):
+        part = draw_part(*args, **kwargs)
+        partial.append(part is not None)
+        return part
+
+    monkeypatch.setattr(draws, "draw_part", counted)
+    assert kept_parts_against_dense("cuda", parts, dtype, large=True) == []
+    assert sum(partial) == 2 * parts  # the large weight and the large embedding, on every rank
+
+
+FILLS = {
+    "normal_": (torch.ops.aten.normal_.default, (0.0, 0.02)),
+    "uniform_": (torch.ops.aten.uniform_.default, (-0.1, 0.1)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("fill", list(FILLS))
+def test_the_partial_draw_self_test_holds_on_this_gpu(fill: str, dtype: torch.dtype) -> None:
+    """On this GPU and torch, ATen's fills follow the round arithmetic (else meta init draws whole
+    tensors: exact, slower; the card should know)."""
+    from minifabric._torch.philox import replay_is_exact
+
+    assert replay_is_exact(torch.device("cuda", torch.cuda.current_device()), FILLS[fill][0], dtype)
+
+
+@pytest.mark.parametrize("shape", [(4099, 2048), (32000, 2048), (3, 1_000_003)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fill", list(FILLS))
+def test_every_ranks_rows_drawn_alone_equal_the_dense_draw(
+    fill: str, dtype: torch.dtype, shape: tuple
+) -> None:
+    """At 2, 3 and 8 ranks, every rank: its rows drawn alone equal its rows of the dense draw on the
+    device's default generator, which ends where the dense draw leaves it."""
+    from minifabric._torch.philox import draw_part
+    from minifabric.init.draws import rows_of
+
+    func, args = FILLS[fill]
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.cuda.default_generators[device.index]
+    torch.cuda.manual_seed(11)
+    dense = func(torch.empty(shape, dtype=dtype, device=device), *args)
+    after = gen.get_offset()
+    row, wrong = math.prod(shape[1:]), []
+    for parts in (2, 3, 8):
+        for rank in range(parts):
+            lo, hi = rows_of(shape[0], parts, rank)
+            torch.cuda.manual_seed(11)
+            part = draw_part((func, args, {}), math.prod(shape), dtype, device, lo * row, hi * row)
+            if part is None or not torch.equal(part, dense[lo:hi].flatten()) or gen.get_offset() != after:
+                wrong.append(f"{parts} ranks, rank {rank}")
+    assert wrong == []
