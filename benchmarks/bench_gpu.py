@@ -315,7 +315,20 @@ def phase_init(bench: Bench) -> dict[str, Any]:
         "median_s": {kind: statistics.median(t) for kind, t in times.items()},
         "per_round_s": times,
         "note": "each timing includes freeing the model (gc, empty_cache), alike for all three",
+        "partial_draws_exact": partial_draws_exact(bench),
     }
+
+
+def partial_draws_exact(bench: Bench) -> dict[str, Any]:
+    """Whether ranks under FSDP draw only their rows of dense fills on this GPU (the self-test of the
+    round arithmetic, per op and dtype): where not, meta init draws whole tensors (exact, slower)."""
+    if not bench.cuda:
+        return {"all": NA_CPU}
+    from minifabric._torch.philox import replay_is_exact
+
+    ops = {"normal_": torch.ops.aten.normal_.default, "uniform_": torch.ops.aten.uniform_.default}
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    return {f"{name} {dtype}": replay_is_exact(bench.device, op, dtype) for name, op in ops.items() for dtype in dtypes}
 
 
 def phase_checkpoint(bench: Bench) -> dict[str, Any]:
