@@ -63,6 +63,25 @@ def collective_timeout(timeout: timedelta, explicit: bool) -> timedelta:
     return timedelta(seconds=seconds)
 
 
+def check_adopted_timeout(timeout: timedelta, explicit: bool) -> None:
+    """Refuse a ``timeout=`` the strategy was given where the process group already exists (the
+    script's own ``init_process_group``, Ray Train): its collectives keep the timeout they were
+    created with, so the one given would be silently ignored. Every rank has both values: every rank
+    raises."""
+    if not explicit:
+        return
+    adopted = group_timeout()
+    if adopted is not None and adopted == timeout:
+        return
+    held = "a timeout this torch does not show" if adopted is None else f"timeout={adopted}"
+    raise ValueError(
+        f"the strategy was given timeout={timeout}, but the process group was created before the "
+        f"Accelerator, with {held}, which its collectives keep. Give the timeout where the group is "
+        f"created (`dist.init_process_group(..., timeout=timedelta(seconds={timeout.total_seconds():g}))`, "
+        "or the engine's setting), or leave `timeout=` out of the strategy."
+    )
+
+
 class Rank:
     """Joining, stopping and leaving for one rank (see the module docstring)."""
 

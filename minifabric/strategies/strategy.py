@@ -36,7 +36,7 @@ from minifabric.parameters import optimizer_parameters
 from minifabric.precision import Precision
 from minifabric.runtime.environment import DEFAULT_TIMEOUT, LocalEnvironment, default_backend, share_cpu_cores
 from minifabric.runtime.launcher import JoinLauncher, Launcher, LocalLauncher
-from minifabric.runtime.rank import Rank, collective_timeout, ending_badly
+from minifabric.runtime.rank import Rank, check_adopted_timeout, collective_timeout, ending_badly
 from minifabric.strategies.compile import (
     CompileOption,
     Compiler,
@@ -172,6 +172,7 @@ class Strategy:
 
     def _init_process_group(self) -> None:
         if dist.is_initialized():
+            check_adopted_timeout(self.timeout, self._timeout_given)
             return
         backend = self.process_group_backend or default_backend(self.root_device)
         self.timeout = collective_timeout(self.timeout, self._timeout_given)

@@ -42,3 +42,23 @@ def _stop_group_timeout(rank: int) -> float:
 def test_the_agreement_group_of_an_adopted_process_group_keeps_its_timeout() -> None:
     """A dead peer fails the agreement after the script's timeout, not torch's 30 minute default."""
     assert run_distributed(_stop_group_timeout, 2, timeout=120) == [77.0, 77.0]
+
+
+def _given_timeout(rank: int, given: float) -> str:
+    from minifabric import DDPStrategy
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=77))
+    acc = Accelerator(accelerator="cpu", strategy=DDPStrategy(timeout=given), devices=2)
+    try:
+        acc.launch()
+    except ValueError as e:
+        return str(e)
+    acc.barrier()
+    return "launched"
+
+
+def test_a_timeout_given_to_the_strategy_that_an_adopted_process_group_does_not_have_is_refused_on_every_rank() -> None:
+    """The group keeps the timeout it was created with: the one given would be ignored silently."""
+    refused = run_distributed(_given_timeout, 2, 30.0, timeout=120)
+    assert all("timeout=0:00:30" in m and "timeout=0:01:17" in m and "init_process_group" in m for m in refused), refused
+    assert run_distributed(_given_timeout, 2, 77.0, timeout=120) == ["launched"] * 2  # the same: nothing ignored
