@@ -86,6 +86,37 @@ def test_no_partial_draw_off_cuda() -> None:
     assert philox.draw_part(fill, 10**6, torch.float32, CPU, 0, 10) is None
 
 
+ROUND = 1_081_344  # an H100's round of float32 fills
+
+
+@pytest.mark.parametrize(
+    "dtype, numel, alone",
+    [
+        (torch.float32, 2**29 + 1, False),  # 2 GiB + 4 bytes: fewer than 2**31 elements, too many bytes
+        (torch.bfloat16, 2**30 + 1, False),
+        (torch.float64, 2**28 + 1, False),
+        (torch.float32, 2**29 - ROUND, False),  # the rounds drawn may reach past 2 GiB
+        (torch.float32, 2**29 - 2 * ROUND, True),
+        (torch.bfloat16, 2**30 - 2 * ROUND, True),
+    ],
+    ids=["f32-over", "bf16-over", "f64-over", "f32-rounds-over", "f32-under", "bf16-under"],
+)
+def test_no_partial_draw_of_a_tensor_aten_fills_in_pieces(
+    dtype: torch.dtype, numel: int, alone: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ATen draws a fill over more than ``2**31 - 1`` bytes (not elements) as several fills, one per
+    32-bit-indexable piece, each from an offset of its own (``distribution_nullary_kernel``): the
+    round arithmetic does not hold there, so such a tensor is drawn whole."""
+    drawn: list[tuple] = []
+    monkeypatch.setattr(philox, "round_size", lambda device, dtype: ROUND)
+    monkeypatch.setattr(philox, "replay_is_exact", lambda device, func, dtype: True)
+    monkeypatch.setattr(philox, "draw_range", lambda *args: drawn.append(args) or torch.empty(0))
+    monkeypatch.setattr(torch.cuda, "default_generators", (Emulated(ROUND),))
+    fill = (torch.ops.aten.normal_.default, (), {})
+    part = philox.draw_part(fill, numel, dtype, torch.device("cuda", 0), 0, numel // 2)
+    assert (part is not None, len(drawn)) == ((True, 1) if alone else (False, 0))
+
+
 def _fill_of(call, shape=(6, 5), dtype=torch.float32):
     target = torch.empty(shape, dtype=dtype, device="meta")
     with seeded_op_probe() as probe:
