@@ -85,14 +85,18 @@ def draw_range(
 ) -> torch.Tensor:
     """Elements ``[start, end)`` of a fill of ``numel`` elements from ``generator``'s offset, drawn by
     ``fill_into`` as the whole rounds of ``size`` elements that hold them (a view of them); leaves the
-    offset where the fill of all ``numel`` elements leaves it."""
+    offset where the fill of all ``numel`` elements leaves it (where it was, if the draw raises)."""
     offset = generator.get_offset()
     first, last = start // size, -(-end // size)
     part = torch.empty(0, dtype=dtype, device=device)
     if end > start:
-        generator.set_offset(offset + ENGINE_CALLS * first)
         rounds = torch.empty((last - first) * size, dtype=dtype, device=device)
-        fill_into(rounds)
+        generator.set_offset(offset + ENGINE_CALLS * first)
+        try:
+            fill_into(rounds)
+        except BaseException:
+            generator.set_offset(offset)
+            raise
         part = rounds[start - first * size : end - first * size]
     generator.set_offset(offset + ENGINE_CALLS * -(-numel // size))
     return part

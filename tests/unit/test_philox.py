@@ -67,6 +67,20 @@ def test_a_range_drawn_alone_equals_the_dense_draw_and_leaves_the_offset_where_i
         assert gen.get_offset() == after == origin + 4 * math.ceil(numel / size)
 
 
+def test_a_range_whose_draw_raises_leaves_the_offset_where_it_was() -> None:
+    """A draw that fails (out of memory for its rounds) moves the stream no more than the failed
+    dense fill would: a caller that goes on draws what eager construction draws."""
+    gen = Emulated(10)
+    gen.set_offset(8)
+
+    def failing(t: torch.Tensor) -> None:
+        raise RuntimeError("CUDA out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        philox.draw_range(failing, gen, 100, 45, 90, 10, torch.float32, CPU)
+    assert gen.get_offset() == 8
+
+
 def test_the_self_test_passes_where_the_arithmetic_holds() -> None:
     gen = Emulated(50)
     assert philox.check_replay(gen.fill, gen, 50, torch.float32, CPU)
