@@ -248,3 +248,44 @@ def test_a_tensor_kept_in_part_replays_whole_from_the_state_the_partial_draw_sta
     materialize(model)  # plain tensors: the kept rows are not the placement, so everything is replayed
     for a, b in zip(eager.state_dict().values(), model.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+def _bert() -> nn.Module:
+    import transformers as tf
+
+    config = tf.BertConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=64,
+        max_position_embeddings=32, pad_token_id=3,
+    )  # fmt: skip
+    return tf.BertForMaskedLM(config)  # normal_ fills, then the padding row zeroed (its kept part stale)
+
+
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_a_transformers_models_guarded_inits_keep_the_rows_of_eager_construction(
+    family: str, partial_draws_on_cpu: list[int]
+) -> None:
+    """transformers wraps ``torch.nn.init`` while it initializes weights; the fills seen through the
+    wrappers are the ones eager construction runs, at each rank of 2 and 3: the kept rows, the stream
+    after construction and the replayed model are eager construction's."""
+    pytest.importorskip("transformers")
+    from tests import hf_tiny
+
+    build = _bert if family == "bert" else lambda: hf_tiny.build("llama")
+    torch.manual_seed(0)
+    eager = build()
+    after_eager = torch.get_rng_state()
+    for parts, rank in [(2, 1), (3, 2)]:
+        partial_draws_on_cpu.clear()
+        torch.manual_seed(0)
+        with meta_init_context(keep=(parts, rank)):
+            model = build()
+        assert torch.equal(torch.get_rng_state(), after_eager)
+        assert partial_draws_on_cpu  # the embeddings' and linear layers' normal_ fills
+        for (name, p), want in zip(model.named_parameters(), eager.parameters(), strict=True):
+            kept = handle_of(p).base.kept
+            if kept is not None:
+                lo, hi = rows_of(want.shape[0], parts, rank)
+                assert torch.equal(kept[1], want.detach()[lo:hi]), (parts, rank, name)
+        materialize(model)
+        for (name, a), b in zip(eager.state_dict().items(), model.state_dict().values(), strict=True):
+            assert torch.equal(a, b), (parts, rank, name)
