@@ -67,6 +67,22 @@ def test_a_range_drawn_alone_equals_the_dense_draw_and_leaves_the_offset_where_i
         assert gen.get_offset() == after == origin + 4 * math.ceil(numel / size)
 
 
+@pytest.mark.parametrize("numel", [8, 16, 24, 9, 17, 23])
+def test_ranges_on_and_next_to_round_boundaries_equal_the_dense_draw(numel: int) -> None:
+    """Every range whose ends lie on a round boundary or one element off it (one-round tensors,
+    tensors of whole rounds and of a partial last round; empty ranges at each boundary)."""
+    size = 8
+    points = sorted({min(max(k * size + d, 0), numel) for k in range(4) for d in (-1, 0, 1)})
+    gen = Emulated(size)
+    dense = gen.fill(torch.empty(numel))
+    after = gen.get_offset()
+    for start in points:
+        for end in (p for p in points if p >= start):
+            gen.set_offset(0)
+            part = philox.draw_range(gen.fill, gen, numel, start, end, size, torch.float32, CPU)
+            assert torch.equal(part, dense[start:end]) and gen.get_offset() == after, (start, end)
+
+
 def test_a_range_whose_draw_raises_leaves_the_offset_where_it_was() -> None:
     """A draw that fails (out of memory for its rounds) moves the stream no more than the failed
     dense fill would: a caller that goes on draws what eager construction draws."""
