@@ -157,7 +157,7 @@ def draw_part(
     """Elements ``[start, end)`` of ``fill`` over a new tensor of ``numel`` elements on ``device``, drawn
     alone from the device's default generator, which is left where the whole fill leaves it (a
     view). None where that is not known to be exact, or saves nothing: not CUDA, the whole tensor,
-    a tensor of at most one round, one whose rounds span 2 GiB or more (ATen fills a tensor over
+    a tensor of at most one round, one whose rounds take 2 GiB or more (ATen fills a tensor over
     ``2**31 - 1`` bytes as several fills, one per 32-bit-indexable piece, each from an offset of its
     own), a self-test that failed."""
     if device.type != "cuda" or end - start >= numel:
@@ -165,7 +165,8 @@ def draw_part(
     device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
     func, args, kwargs = fill
     size = round_size(device, dtype)
-    if numel <= size or (numel + size) * dtype.itemsize >= 2**31 or not replay_is_exact(device, func, dtype):
+    rounds = -(-numel // size) * size  # the elements of all the fill's rounds: more than any range draws
+    if numel <= size or rounds * dtype.itemsize >= 2**31 or not replay_is_exact(device, func, dtype):
         return None
     generator = torch.cuda.default_generators[device.index]
     return draw_range(lambda t: func(t, *args, **kwargs), generator, numel, start, end, size, dtype, device)

@@ -122,14 +122,13 @@ ROUND = 1_081_344  # an H100's round of float32 fills
 @pytest.mark.parametrize(
     "dtype, numel, alone",
     [
-        (torch.float32, 2**29 + 1, False),  # 2 GiB + 4 bytes: fewer than 2**31 elements, too many bytes
+        (torch.float32, 2**29 + 1, False),  # 2 GiB + 4 bytes (the first size ATen splits): < 2**31 elements
         (torch.bfloat16, 2**30 + 1, False),
         (torch.float64, 2**28 + 1, False),
-        (torch.float32, 2**29 - ROUND, False),  # the rounds drawn may reach past 2 GiB
-        (torch.float32, 2**29 - 2 * ROUND, True),
-        (torch.bfloat16, 2**30 - 2 * ROUND, True),
+        (torch.float32, 496 * ROUND, True),  # 496 whole rounds: 2 GiB - 2 MiB
+        (torch.bfloat16, 2 * 496 * ROUND, True),
     ],
-    ids=["f32-over", "bf16-over", "f64-over", "f32-rounds-over", "f32-under", "bf16-under"],
+    ids=["f32-over", "bf16-over", "f64-over", "f32-under", "bf16-under"],
 )
 def test_no_partial_draw_of_a_tensor_aten_fills_in_pieces(
     dtype: torch.dtype, numel: int, alone: bool, monkeypatch: pytest.MonkeyPatch
@@ -143,7 +142,7 @@ def test_no_partial_draw_of_a_tensor_aten_fills_in_pieces(
     monkeypatch.setattr(philox, "draw_range", lambda *args: drawn.append(args) or torch.empty(0))
     monkeypatch.setattr(torch.cuda, "default_generators", (Emulated(ROUND),))
     fill = (torch.ops.aten.normal_.default, (), {})
-    part = philox.draw_part(fill, numel, dtype, torch.device("cuda", 0), 0, numel // 2)
+    part = philox.draw_part(fill, numel, dtype, torch.device("cuda", 0), numel // 2, numel)
     assert (part is not None, len(drawn)) == ((True, 1) if alone else (False, 0))
 
 
