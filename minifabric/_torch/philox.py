@@ -165,7 +165,7 @@ def draw_part(
     device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
     func, args, kwargs = fill
     size = round_size(device, dtype)
-    rounds = -(-numel // size) * size  # the elements of all the fill's rounds: more than any range draws
+    rounds = -(-numel // size) * size  # all the fill's rounds: no fewer elements than the tensor or any range
     if numel <= size or rounds * dtype.itemsize >= 2**31 or not replay_is_exact(device, func, dtype):
         return None
     generator = torch.cuda.default_generators[device.index]
