@@ -85,14 +85,18 @@ def draw_range(
 ) -> torch.Tensor:
     """Elements ``[start, end)`` of a fill of ``numel`` elements from ``generator``'s offset, drawn by
     ``fill_into`` as the whole rounds of ``size`` elements that hold them (a view of them); leaves the
-    offset where the fill of all ``numel`` elements leaves it."""
+    offset where the fill of all ``numel`` elements leaves it (where it was, if the draw raises)."""
     offset = generator.get_offset()
     first, last = start // size, -(-end // size)
     part = torch.empty(0, dtype=dtype, device=device)
     if end > start:
-        generator.set_offset(offset + ENGINE_CALLS * first)
         rounds = torch.empty((last - first) * size, dtype=dtype, device=device)
-        fill_into(rounds)
+        generator.set_offset(offset + ENGINE_CALLS * first)
+        try:
+            fill_into(rounds)
+        except BaseException:
+            generator.set_offset(offset)
+            raise
         part = rounds[start - first * size : end - first * size]
     generator.set_offset(offset + ENGINE_CALLS * -(-numel // size))
     return part
@@ -153,13 +157,16 @@ def draw_part(
     """Elements ``[start, end)`` of ``fill`` over a new tensor of ``numel`` elements on ``device``, drawn
     alone from the device's default generator, which is left where the whole fill leaves it (a
     view). None where that is not known to be exact, or saves nothing: not CUDA, the whole tensor,
-    a tensor of at most one round or of 2**31 elements or more, a self-test that failed."""
+    a tensor of at most one round, one whose rounds take 2 GiB or more (ATen fills a tensor over
+    ``2**31 - 1`` bytes as several fills, one per 32-bit-indexable piece, each from an offset of its
+    own), a self-test that failed."""
     if device.type != "cuda" or end - start >= numel:
         return None
     device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
     func, args, kwargs = fill
     size = round_size(device, dtype)
-    if numel <= size or numel + size >= 2**31 or not replay_is_exact(device, func, dtype):
+    rounds = -(-numel // size) * size  # all the fill's rounds: no fewer elements than the tensor or any range
+    if numel <= size or rounds * dtype.itemsize >= 2**31 or not replay_is_exact(device, func, dtype):
         return None
     generator = torch.cuda.default_generators[device.index]
     return draw_range(lambda t: func(t, *args, **kwargs), generator, numel, start, end, size, dtype, device)

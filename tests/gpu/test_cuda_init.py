@@ -203,3 +203,27 @@ def test_every_ranks_rows_drawn_alone_equal_the_dense_draw(
             if part is None or not torch.equal(part, dense[lo:hi].flatten()) or gen.get_offset() != after:
                 wrong.append(f"{parts} ranks, rank {rank}")
     assert wrong == []
+
+
+def test_a_tensor_over_2_gib_gives_each_rank_its_rows_of_the_dense_draw_or_is_drawn_whole() -> None:
+    """ATen fills a tensor of more than ``2**31 - 1`` bytes (fewer than ``2**31`` elements) in
+    32-bit-indexable pieces, each from an offset of its own, where the round arithmetic does not hold:
+    no rank may get rows (or a generator offset) other than the dense draw's."""
+    from minifabric._torch.philox import draw_part
+    from minifabric.init.draws import rows_of
+
+    func, args = FILLS["normal_"]
+    shape = (2**29 // 4096 + 1, 4096)  # float32: 2 GiB + 16 KiB
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.cuda.default_generators[device.index]
+    torch.cuda.manual_seed(11)
+    dense = func(torch.empty(shape, device=device), *args)
+    after, wrong = gen.get_offset(), []
+    for rank in range(2):
+        lo, hi = rows_of(shape[0], 2, rank)
+        torch.cuda.manual_seed(11)
+        part = draw_part((func, args, {}), math.prod(shape), torch.float32, device, lo * 4096, hi * 4096)
+        if part is not None and not (torch.equal(part, dense[lo:hi].flatten()) and gen.get_offset() == after):
+            wrong.append(f"rank {rank}")
+    del dense
+    assert wrong == []

@@ -67,6 +67,36 @@ def test_a_range_drawn_alone_equals_the_dense_draw_and_leaves_the_offset_where_i
         assert gen.get_offset() == after == origin + 4 * math.ceil(numel / size)
 
 
+@pytest.mark.parametrize("numel", [8, 16, 24, 9, 17, 23])
+def test_ranges_on_and_next_to_round_boundaries_equal_the_dense_draw(numel: int) -> None:
+    """Every range whose ends lie on a round boundary or one element off it (one-round tensors,
+    tensors of whole rounds and of a partial last round; empty ranges at each boundary)."""
+    size = 8
+    points = sorted({min(max(k * size + d, 0), numel) for k in range(4) for d in (-1, 0, 1)})
+    gen = Emulated(size)
+    dense = gen.fill(torch.empty(numel))
+    after = gen.get_offset()
+    for start in points:
+        for end in (p for p in points if p >= start):
+            gen.set_offset(0)
+            part = philox.draw_range(gen.fill, gen, numel, start, end, size, torch.float32, CPU)
+            assert torch.equal(part, dense[start:end]) and gen.get_offset() == after, (start, end)
+
+
+def test_a_range_whose_draw_raises_leaves_the_offset_where_it_was() -> None:
+    """A draw that fails (out of memory for its rounds) moves the stream no more than the failed
+    dense fill would: a caller that goes on draws what eager construction draws."""
+    gen = Emulated(10)
+    gen.set_offset(8)
+
+    def failing(t: torch.Tensor) -> None:
+        raise RuntimeError("CUDA out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        philox.draw_range(failing, gen, 100, 45, 90, 10, torch.float32, CPU)
+    assert gen.get_offset() == 8
+
+
 def test_the_self_test_passes_where_the_arithmetic_holds() -> None:
     gen = Emulated(50)
     assert philox.check_replay(gen.fill, gen, 50, torch.float32, CPU)
@@ -84,6 +114,36 @@ def test_the_self_test_refuses_a_generator_laid_out_otherwise(emulated: Emulated
 def test_no_partial_draw_off_cuda() -> None:
     fill = (torch.ops.aten.normal_.default, (), {})
     assert philox.draw_part(fill, 10**6, torch.float32, CPU, 0, 10) is None
+
+
+ROUND = 1_081_344  # an H100's round of float32 fills
+
+
+@pytest.mark.parametrize(
+    "dtype, numel, alone",
+    [
+        (torch.float32, 2**29 + 1, False),  # 2 GiB + 4 bytes (the first size ATen splits): < 2**31 elements
+        (torch.bfloat16, 2**30 + 1, False),
+        (torch.float64, 2**28 + 1, False),
+        (torch.float32, 496 * ROUND, True),  # 496 whole rounds: 2 GiB - 2 MiB
+        (torch.bfloat16, 2 * 496 * ROUND, True),
+    ],
+    ids=["f32-over", "bf16-over", "f64-over", "f32-under", "bf16-under"],
+)
+def test_no_partial_draw_of_a_tensor_aten_fills_in_pieces(
+    dtype: torch.dtype, numel: int, alone: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ATen draws a fill over more than ``2**31 - 1`` bytes (not elements) as several fills, one per
+    32-bit-indexable piece, each from an offset of its own (``distribution_nullary_kernel``): the
+    round arithmetic does not hold there, so such a tensor is drawn whole."""
+    drawn: list[tuple] = []
+    monkeypatch.setattr(philox, "round_size", lambda device, dtype: ROUND)
+    monkeypatch.setattr(philox, "replay_is_exact", lambda device, func, dtype: True)
+    monkeypatch.setattr(philox, "draw_range", lambda *args: drawn.append(args) or torch.empty(0))
+    monkeypatch.setattr(torch.cuda, "default_generators", (Emulated(ROUND),))
+    fill = (torch.ops.aten.normal_.default, (), {})
+    part = philox.draw_part(fill, numel, dtype, torch.device("cuda", 0), numel // 2, numel)
+    assert (part is not None, len(drawn)) == ((True, 1) if alone else (False, 0))
 
 
 def _fill_of(call, shape=(6, 5), dtype=torch.float32):
@@ -203,3 +263,44 @@ def test_a_tensor_kept_in_part_replays_whole_from_the_state_the_partial_draw_sta
     materialize(model)  # plain tensors: the kept rows are not the placement, so everything is replayed
     for a, b in zip(eager.state_dict().values(), model.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+def _bert() -> nn.Module:
+    import transformers as tf
+
+    config = tf.BertConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=64,
+        max_position_embeddings=32, pad_token_id=3,
+    )  # fmt: skip
+    return tf.BertForMaskedLM(config)  # normal_ fills, then the padding row zeroed (its kept part stale)
+
+
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_a_transformers_models_guarded_inits_keep_the_rows_of_eager_construction(
+    family: str, partial_draws_on_cpu: list[int]
+) -> None:
+    """transformers wraps ``torch.nn.init`` while it initializes weights; the fills seen through the
+    wrappers are the ones eager construction runs, at each rank of 2 and 3: the kept rows, the stream
+    after construction and the replayed model are eager construction's."""
+    pytest.importorskip("transformers")
+    from tests import hf_tiny
+
+    build = _bert if family == "bert" else lambda: hf_tiny.build("llama")
+    torch.manual_seed(0)
+    eager = build()
+    after_eager = torch.get_rng_state()
+    for parts, rank in [(2, 1), (3, 2)]:
+        partial_draws_on_cpu.clear()
+        torch.manual_seed(0)
+        with meta_init_context(keep=(parts, rank)):
+            model = build()
+        assert torch.equal(torch.get_rng_state(), after_eager)
+        assert partial_draws_on_cpu  # the embeddings' and linear layers' normal_ fills
+        for (name, p), want in zip(model.named_parameters(), eager.parameters(), strict=True):
+            kept = handle_of(p).base.kept
+            if kept is not None:
+                lo, hi = rows_of(want.shape[0], parts, rank)
+                assert torch.equal(kept[1], want.detach()[lo:hi]), (parts, rank, name)
+        materialize(model)
+        for (name, a), b in zip(eager.state_dict().items(), model.state_dict().values(), strict=True):
+            assert torch.equal(a, b), (parts, rank, name)
