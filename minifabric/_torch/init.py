@@ -144,10 +144,25 @@ class _SeededOpProbe:
 
         return dense_fill(self.calls, target)
 
+    def written(self) -> list[torch.Tensor]:
+        """The tensors the ops run inside wrote into."""
+        return [t for call in self.calls for t in written_tensors(*call)]
+
 
 def _writes(func: Any) -> bool:
     """Whether an ATen op writes into one of its arguments (its schema marks it: in-place, ``out=``)."""
     return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+
+
+def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an ATen op called with ``args`` and ``kwargs`` writes into, read from its schema."""
+    out = []
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[index] if index < len(args) else kwargs.get(argument.name)
+        out += [t for t in (value if isinstance(value, list | tuple) else [value]) if isinstance(t, torch.Tensor)]
+    return out
 
 
 def _probe_mode_class() -> Any:
@@ -194,13 +209,9 @@ def refusing_writes(protected: dict[int, str], refuse: Callable[[str, str], Base
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
-            for index, argument in enumerate(func._schema.arguments):
-                if argument.alias_info is None or not argument.alias_info.is_write:
-                    continue
-                value = args[index] if index < len(args) else kwargs.get(argument.name)
-                for tensor in value if isinstance(value, list | tuple) else [value]:
-                    if isinstance(tensor, torch.Tensor) and storage_key(tensor) in protected:
-                        raise refuse(protected[storage_key(tensor)], str(func))
+            for tensor in written_tensors(func, args, kwargs):
+                if storage_key(tensor) in protected:
+                    raise refuse(protected[storage_key(tensor)], str(func))
             return func(*args, **kwargs)
 
     with Mode():

@@ -276,7 +276,9 @@ class Recorder(TorchFunctionMode):
                 seeded = bool(probe.seeded)
                 op.fill = probe.fill(target) if seeded else None
             except (NotImplementedError, RuntimeError):
-                pass  # no meta kernel, or meta cannot take it (`out=` under a device context)
+                if torch.is_grad_enabled() and target.requires_grad and target.is_leaf:
+                    raise  # as in eager construction: an in-place op on a leaf that requires grad
+                # else no meta kernel, or meta cannot take it (`out=` under a device context)
         base.kept = None  # a value kept from an earlier op is stale now
         if seeded:
             self.draws.advance(op)
@@ -329,6 +331,9 @@ class Recorder(TorchFunctionMode):
             # No meta kernel (_sample_dirichlet), a shape or a Python value that depends on the
             # values (a boolean mask, `if w.sum() > 0`): run it once on the real values.
             return self._run_for_real(func, name, args, kwargs)
+        for written in probe.written():  # a write that is not an in-place method: `torch._foreach_mul_`
+            for _, handle in self._by_storage.get(storage_key(written), ()):
+                handle.base.problem = handle.base.problem or f"`{name}` writes into it unrecorded"
         outputs = result if isinstance(result, (tuple, list)) else (result,)
         for index, out in enumerate(outputs):
             if not isinstance(out, torch.Tensor) or not out.is_meta or self.lookup(out) is not None:

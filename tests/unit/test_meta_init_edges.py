@@ -260,3 +260,37 @@ def test_the_self_check_rebuilds_a_model_that_enters_init_module_itself() -> Non
         model = BuildsAPartInItsOwnBlock(acc)
     model = acc.setup(model)
     assert mismatches(reference[0], model.a) == [] and mismatches(reference[1], model.b) == []
+
+
+class ForeachScaled(nn.Module):
+    """Writes its weight with a call that is not an in-place method (``torch._foreach_mul_``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(4, 3))
+        nn.init.normal_(self.w)
+        with torch.no_grad():
+            torch._foreach_mul_([self.w], 2.0)
+
+
+def test_a_write_by_a_call_that_is_not_an_in_place_method_is_refused_at_setup_naming_it() -> None:
+    """Before, the write was lost: setup gave the weight without it."""
+    with meta_init_context():
+        model = ForeachScaled()
+    with pytest.raises(ValueError, match=r"`_foreach_mul_` writes into it"):
+        materialize(model)
+
+
+class GradModeInit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(4))
+        self.w.normal_()  # no torch.no_grad(): eager construction raises
+
+
+def test_an_in_place_init_of_a_parameter_outside_no_grad_raises_as_in_eager_construction() -> None:
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad") as eager:
+        GradModeInit()
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad") as meta, meta_init_context():
+        GradModeInit()
+    assert str(meta.value) == str(eager.value)
