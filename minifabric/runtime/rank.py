@@ -64,21 +64,24 @@ def collective_timeout(timeout: timedelta, explicit: bool) -> timedelta:
 
 
 def check_adopted_timeout(timeout: timedelta, explicit: bool) -> None:
-    """Refuse a ``timeout=`` the strategy was given where the process group already exists (the
-    script's own ``init_process_group``, Ray Train): its collectives keep the timeout they were
-    created with, so the one given would be silently ignored. Every rank has both values: every rank
-    raises."""
-    if not explicit:
+    """Refuse a timeout asked for (the strategy's ``timeout=``, else ``MINIFABRIC_TIMEOUT``) where the
+    process group already exists (the script's own ``init_process_group``, Ray Train): its
+    collectives keep the timeout they were created with, so the one asked for would be silently
+    ignored. Every rank has both values: every rank raises."""
+    if not explicit and not os.environ.get(TIMEOUT_VAR):
         return
+    wanted = collective_timeout(timeout, explicit)
     adopted = group_timeout()
-    if adopted is not None and adopted == timeout:
+    if adopted is not None and adopted == wanted:
         return
+    asked = f"the strategy was given timeout={wanted}" if explicit else f"{TIMEOUT_VAR} asks for timeout={wanted}"
     held = "a timeout this torch does not show" if adopted is None else f"timeout={adopted}"
+    drop = "leave `timeout=` out of the strategy" if explicit else f"unset {TIMEOUT_VAR}"
     raise ValueError(
-        f"the strategy was given timeout={timeout}, but the process group was created before the "
-        f"Accelerator, with {held}, which its collectives keep. Give the timeout where the group is "
-        f"created (`dist.init_process_group(..., timeout=timedelta(seconds={timeout.total_seconds():g}))`, "
-        "or the engine's setting), or leave `timeout=` out of the strategy."
+        f"{asked}, but the process group was created before the Accelerator, with {held}, which its"
+        " collectives keep. Give the timeout where the group is created"
+        f" (`dist.init_process_group(..., timeout=timedelta(seconds={wanted.total_seconds():g}))`, or the"
+        f" engine's setting), or {drop}."
     )
 
 

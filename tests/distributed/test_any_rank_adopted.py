@@ -62,3 +62,23 @@ def test_a_timeout_given_to_the_strategy_that_an_adopted_process_group_does_not_
     refused = run_distributed(_given_timeout, 2, 30.0, timeout=120)
     assert all("timeout=0:00:30" in m and "timeout=0:01:17" in m and "init_process_group" in m for m in refused), refused
     assert run_distributed(_given_timeout, 2, 77.0, timeout=120) == ["launched"] * 2  # the same: nothing ignored
+
+
+def _env_timeout(rank: int, seconds: str) -> str:
+    import os
+
+    os.environ["MINIFABRIC_TIMEOUT"] = seconds
+    dist.init_process_group("gloo", timeout=timedelta(seconds=77))
+    acc = Accelerator(accelerator="cpu", strategy="ddp", devices=2)
+    try:
+        acc.launch()
+    except ValueError as e:
+        return str(e)
+    acc.barrier()
+    return "launched"
+
+
+def test_a_minifabric_timeout_an_adopted_process_group_does_not_have_is_refused_on_every_rank() -> None:
+    refused = run_distributed(_env_timeout, 2, "30", timeout=120)
+    assert all("MINIFABRIC_TIMEOUT asks for timeout=0:00:30" in m and "unset MINIFABRIC_TIMEOUT" in m for m in refused)
+    assert run_distributed(_env_timeout, 2, "77", timeout=120) == ["launched"] * 2
