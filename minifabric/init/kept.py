@@ -20,8 +20,9 @@ from minifabric.init.recipe import Handle, is_dtensor
 def kept_shards(places: list[Place]) -> dict[int, torch.Tensor]:
     """id of a meta DTensor -> the part of its value kept at construction, where that is its shard.
 
-    A DTensor holds chunk ``index`` of ``parts`` along dim 0 only under one ``Shard(0)`` over a
-    mesh of ``parts`` ranks where it is rank ``index``; anything else is replayed.
+    A DTensor holds chunk ``index`` of ``parts`` along dim 0 only under ``Shard(0)`` over a mesh dim
+    of ``parts`` ranks where it is rank ``index``, replicated over any other dims before it (FSDP;
+    HSDP's ``(Replicate(), Shard(0))``); anything else is replayed.
     """
     out: dict[int, torch.Tensor] = {}
     for sub, name, is_param, handle in places:
@@ -29,14 +30,14 @@ def kept_shards(places: list[Place]) -> dict[int, torch.Tensor]:
         kept = handle.base.kept
         if kept is None or handle.chain or not is_dtensor(old) or id(old) in out:
             continue
-        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor import Replicate, Shard
 
         (parts, index), part = kept
-        mesh = old.device_mesh
+        mesh, (*outer, last) = old.device_mesh, old.placements
         if (
-            mesh.ndim == 1
-            and tuple(old.placements) == (Shard(0),)
-            and (mesh.size(), mesh.get_local_rank()) == (parts, index)
+            all(p == Replicate() for p in outer)
+            and last == Shard(0)
+            and (mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)) == (parts, index)
             and tuple(old._local_tensor.shape) == tuple(part.shape)
         ):
             out[id(old)] = part

@@ -253,10 +253,16 @@ class FSDPStrategy(Strategy):
         return torch.device("cpu") if self.cpu_offload else self.root_device
 
     def meta_init_part(self) -> tuple[int, int] | None:
-        """``FULL_SHARD``/``SHARD_GRAD_OP`` shard every parameter's dim 0 over all ranks (``Shard(0)``)."""
-        if self.sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        """Dim 0 over all ranks (``FULL_SHARD``, ``SHARD_GRAD_OP``) or over the mesh's last dim
+        (``HYBRID_SHARD``; ``setup`` checks each placement before it uses what was kept)."""
+        if self.sharding_strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+            return self.world_size, self.global_rank
+        if self.sharding_strategy != "HYBRID_SHARD":
             return None
-        return self.world_size, self.global_rank
+        if self._mesh is not None:
+            return self._mesh.size(1), self._mesh.get_local_rank(1)
+        shards = self.device_mesh[1] if isinstance(self.device_mesh, tuple) else self.num_processes
+        return shards, self.global_rank % shards
 
     def wrap(self, module: nn.Module) -> nn.Module:
         """Shard ``module`` now as its own unit (manual wrapping inside ``acc.init_module()``)."""
