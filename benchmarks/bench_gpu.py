@@ -316,7 +316,27 @@ def phase_init(bench: Bench) -> dict[str, Any]:
         "per_round_s": times,
         "note": "each timing includes freeing the model (gc, empty_cache), alike for all three",
         "partial_draws_exact": partial_draws_exact(bench),
+        "construction_s_by_ranks": construction_by_ranks(bench),
     }
+
+
+def construction_by_ranks(bench: Bench) -> dict[str, float]:
+    """Seconds of one rank's construction under ``init_module(empty_init=True)`` as rank 0 of an FSDP
+    world of 1 and of 8 (``keep``): it draws only its rows of dense fills where it can, so the
+    second should cost less than the first (each median of ``init_rounds`` builds)."""
+    from minifabric.init import meta_init_context
+
+    def build(parts: int) -> None:
+        torch.manual_seed(0)
+        with meta_init_context(keep=(parts, 0), device=bench.device):
+            GPT(bench.cfg)
+
+    out = {}
+    for parts in (1, 8):
+        build(parts)  # warm
+        out[f"1 of {parts}"] = statistics.median(bench.timed(lambda p=parts: build(p)) for _ in range(bench.size["init_rounds"]))
+        bench.free()
+    return out
 
 
 def partial_draws_exact(bench: Bench) -> dict[str, Any]:
@@ -366,6 +386,8 @@ def table(card: dict[str, Any]) -> str:
         if phase == "init":
             rows.append(f"{phase:14s} meta+setup / torchtitan pattern {fmt(data['minifabric_meta_over_torchtitan_pattern']['median'])}")
             rows.append(f"{'':14s} meta+setup / eager+setup       {fmt(data['minifabric_meta_over_eager_then_setup']['median'])}")
+            by_ranks = data.get("construction_s_by_ranks", {})
+            rows.append(f"{'':14s} construction as 1 of 1 / 1 of 8 ranks: {fmt(by_ranks.get('1 of 1'))} s / {fmt(by_ranks.get('1 of 8'))} s")
         elif phase == "checkpoint":
             rows.append(f"{phase:14s} save rate minifabric/raw dcp   {fmt(data['save_minifabric_over_raw_dcp_rate'])}"
                         f"  ({fmt(data['save_gb_per_s']['minifabric'], '.2f')} GB/s)")
