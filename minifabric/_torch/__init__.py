@@ -54,7 +54,7 @@ from minifabric._torch.init import (
     tensor_version,
     torch_init_call,
 )
-from minifabric._torch.philox import draw_part
+from minifabric._torch.philox import dense_fill, draw_part
 from minifabric._torch.serialization import dcp_storage_info, save_without_crc32
 from minifabric._torch.switches import (
     TUNE_MALLOC_VAR,
@@ -78,6 +78,7 @@ __all__ = [
     "dcp_storage_info",
     "default_dtype",
     "default_store",
+    "dense_fill",
     "differentiable_all_gather",
     "draw_part",
     "fake_tensor_mode",

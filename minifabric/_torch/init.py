@@ -120,7 +120,7 @@ class _SeededOpProbe:
     """Collects the ATen ops tagged ``nondeterministic_seeded`` (they draw from a generator) run inside it.
 
     ``seeded`` names them; ``calls`` holds every op run inside that draws or writes into a tensor
-    (``(op, args, kwargs)``, in order): see :meth:`fill`.
+    (``(op, args, kwargs)``, in order): see :func:`minifabric._torch.philox.dense_fill`.
     """
 
     _mode_class: Any = None
@@ -136,13 +136,6 @@ class _SeededOpProbe:
 
     def __exit__(self, *exc: Any) -> None:
         self._mode.__exit__(*exc)
-
-    def fill(self, target: torch.Tensor) -> Any:
-        """The dense random fill of all of ``target`` the probed call was, if it was only that
-        (:func:`minifabric._torch.philox.dense_fill`); else None."""
-        from minifabric._torch.philox import dense_fill
-
-        return dense_fill(self.calls, target)
 
     def written(self) -> list[torch.Tensor]:
         """The tensors the ops run inside wrote into."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from minifabric._torch import draw_part
+from minifabric._torch import dense_fill, draw_part
 from minifabric.init.generators import advanced, same_device, states
 from minifabric.init.recipe import Base, Op
 from minifabric.init.replay import apply_chain, call, resolver
@@ -46,33 +46,36 @@ class Draws:
         op.generator_devices = {k: gens[k].device for k in op.generators}
         return result
 
-    def advance(self, op: Op) -> None:
+    def advance(self, op: Op, calls: list | None = None, target: torch.Tensor | None = None) -> None:
         """Run a random ``op`` for real on a scratch target (a creation: on nothing), where eager
-        construction runs it; keep this rank's part of a first value."""
+        construction runs it; keep this rank's part of a first value. ``calls``: the ATen ops the op
+        ran on its meta ``target`` (the seeded-op probe's), where known: a dense fill of all of it
+        may be drawn in part (:meth:`_draw_part`)."""
         if op.target is None:
             self.run(op)
             return
         base = op.target.base
         stride = base.stride or torch.empty(base.shape, device="meta").stride()
-        if not op.target.chain and not base.ops and self._draw_part(op, base, stride):
+        fill = dense_fill(calls, target) if calls and target is not None else None
+        if fill is not None and not op.target.chain and not base.ops and self._draw_part(op, fill, base, stride):
             return
         scratch = apply_chain(self._scratch(base.shape, stride, base.dtype, base.device), op.target.chain, resolver())
         self.run(op, scratch, base.device)
         if not op.target.chain and not base.ops:
             self._keep(base, scratch)
 
-    def _draw_part(self, op: Op, base: Base, stride: tuple[int, ...]) -> bool:
+    def _draw_part(self, op: Op, fill: tuple, base: Base, stride: tuple[int, ...]) -> bool:
         """Keep this rank's rows of the first write of an uninitialized base without drawing the other
         ranks' rows, where that is exact: a dense ``normal_``/``uniform_`` fill of all of a contiguous
         tensor on CUDA (:func:`minifabric._torch.philox.draw_part`). False where it does not apply."""
-        if op.fill is None or self.keep is None or self.keep[0] == 1 or base.origin != "empty" or not base.shape:
+        if self.keep is None or self.keep[0] == 1 or base.origin != "empty" or not base.shape:
             return False
         if not same_device(base.device, self.device) or stride != torch.empty(base.shape, device="meta").stride():
             return False
         lo, hi = rows_of(base.shape[0], *self.keep)
         row = base.shape[1:].numel()
         before = states(self.device)
-        part = draw_part(op.fill, base.shape.numel(), base.dtype, self.device, lo * row, hi * row)
+        part = draw_part(fill, base.shape.numel(), base.dtype, self.device, lo * row, hi * row)
         if part is None:
             return False
         op.rng, op.device_rng = advanced(before, self.device)

@@ -67,9 +67,6 @@ class Op:
     device_rng: torch.Tensor | None = None  # the build device's default generator state before it, if it draws
     generators: dict[str, torch.Tensor] = field(default_factory=dict)  # kwarg name -> generator state
     generator_devices: dict[str, torch.device] = field(default_factory=dict)  # kwarg name -> its device
-    #: the one dense ATen fill (``normal_``/``uniform_``) of all of its target it runs, if that is all
-    #: it does (:func:`minifabric._torch.philox.dense_fill`): a rank's rows of it can be drawn alone
-    fill: tuple | None = None
 
     @property
     def draws(self) -> bool:

@@ -268,20 +268,19 @@ class Recorder(TorchFunctionMode):
             base.problem = base.problem or f"`{name}` {e}"
             return target
         op.target = handle
-        seeded = True  # unless the probe can tell: a scratch run is exact either way, only slower
+        seeded, calls = True, []  # unless the probe can tell: a scratch run is exact either way, only slower
         if on_meta and type(target) in (torch.Tensor, nn.Parameter):
             try:
                 with seeded_op_probe() as probe:
                     func(*to_meta(args), **to_meta(kwargs))
-                seeded = bool(probe.seeded)
-                op.fill = probe.fill(target) if seeded else None
+                seeded, calls = bool(probe.seeded), probe.calls
             except (NotImplementedError, RuntimeError):
                 if torch.is_grad_enabled() and target.requires_grad and target.is_leaf:
                     raise  # as in eager construction: an in-place op on a leaf that requires grad
                 # else no meta kernel, or meta cannot take it (`out=` under a device context)
         base.kept = None  # a value kept from an earlier op is stale now
         if seeded:
-            self.draws.advance(op)
+            self.draws.advance(op, calls, target)
         base.ops.append(op)
         return None if name == "__setitem__" else target
 

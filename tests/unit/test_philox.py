@@ -150,7 +150,7 @@ def _fill_of(call, shape=(6, 5), dtype=torch.float32):
     target = torch.empty(shape, dtype=dtype, device="meta")
     with seeded_op_probe() as probe:
         call(target)
-    return probe.fill(target)
+    return philox.dense_fill(probe.calls, target)
 
 
 NORMAL, UNIFORM = torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default
