@@ -56,7 +56,7 @@ from minifabric.init.calls import (
 )
 from minifabric.init.draws import Draws
 from minifabric.init.generators import CPU, same_device
-from minifabric.init.recipe import TARGET, Base, Handle, Op, Real, Ref
+from minifabric.init.recipe import TARGET, Base, Handle, Op, Real, Ref, is_dtensor
 from minifabric.init.replay import resolver
 
 
@@ -282,6 +282,12 @@ class Recorder(TorchFunctionMode):
         base.kept = None  # a value kept from an earlier op is stale now
         if seeded:
             self.draws.advance(op)
+        if op.draws and is_dtensor(target):  # sharded in the block (`wrap`): DTensor's random rules, per part
+            base.problem = base.problem or (
+                f"`{name}` draws random numbers into it after `wrap` sharded it (eager construction draws"
+                " each rank's part of the DTensor by DTensor's own random rules, which `setup` does not"
+                " reproduce); initialize it before `wrap(...)`"
+            )
         base.ops.append(op)
         return None if name == "__setitem__" else target
 
