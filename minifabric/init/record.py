@@ -268,6 +268,7 @@ class Recorder(TorchFunctionMode):
             base.problem = base.problem or f"`{name}` {e}"
             return target
         op.target = handle
+        base.problem = base.problem or _read_problem(op)
         seeded = True  # unless the probe can tell: a scratch run is exact either way, only slower
         if on_meta and type(target) in (torch.Tensor, nn.Parameter):
             try:
@@ -313,6 +314,7 @@ class Recorder(TorchFunctionMode):
         base = Base(value.shape, value.dtype, "computed")
         try:
             base.creator = self._op(_identity, "`.data =`", (value,), {})
+            base.problem = _read_problem(base.creator)
         except Unrecordable as e:
             base.problem = f"`.data =` {e}"
         # eager construction leaves the tensor where the data put in is
@@ -330,16 +332,22 @@ class Recorder(TorchFunctionMode):
         return array
 
     def _derived(self, func: Callable, name: str, args: tuple, kwargs: dict, tracked: list) -> Any:
+        on_meta = to_meta((args, kwargs))
         try:
             with seeded_op_probe() as probe:
-                result = func(*to_meta(args), **to_meta(kwargs))
+                result = func(*on_meta[0], **on_meta[1])
         except (NotImplementedError, RuntimeError):
             # No meta kernel (_sample_dirichlet), a shape or a Python value that depends on the
             # values (a boolean mask, `if w.sum() > 0`): run it once on the real values.
             return self._run_for_real(func, name, args, kwargs)
-        for written in probe.written():  # a write that is not an in-place method: `torch._foreach_mul_`
-            for _, handle in self._by_storage.get(storage_key(written), ()):
+        written = {storage_key(t) for t in probe.written()}
+        for key in written:  # a write that is not an in-place method: `torch._foreach_mul_`
+            for _, handle in self._by_storage.get(key, ()):
                 handle.base.problem = handle.base.problem or f"`{name}` writes into it unrecorded"
+        if written & _stand_ins((args, kwargs), on_meta):  # into a real tensor (`out=`): made, as in eager
+            resolve = resolver()
+            real = tree_map(lambda v: resolve(self._ref(v)) if self.lookup(v) is not None else v, (args, kwargs))
+            return func(*real[0], **real[1])
         outputs = result if isinstance(result, (tuple, list)) else (result,)
         for index, out in enumerate(outputs):
             if not isinstance(out, torch.Tensor) or not out.is_meta or self.lookup(out) is not None:
@@ -353,6 +361,7 @@ class Recorder(TorchFunctionMode):
             base = Base(out.shape, out.dtype, "computed")
             try:
                 base.creator = self._op(func, name, args, kwargs, index=which)
+                base.problem = _read_problem(base.creator)
             except Unrecordable as e:
                 base.problem = f"`{name}` {e}"
             if base.creator is not None and probe.seeded:
@@ -378,6 +387,7 @@ class Recorder(TorchFunctionMode):
             base = Base(out.shape, out.dtype, "computed")
             base.creator = Op(op.func, op.args, op.kwargs, op.seq, name, None, index if many else None)
             base.creator.rng, base.creator.device_rng = op.rng, op.device_rng
+            base.problem = _read_problem(op)
             base.creator.generators, base.creator.generator_devices = op.generators, op.generator_devices
             # where eager construction has it (``w.cpu()`` in a GPU block: the CPU), unless the call drew
             # from the build device's generator (then replay needs that device to restore it)
@@ -424,3 +434,19 @@ def _layout(t: torch.Tensor) -> tuple:
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone()
+
+
+def _read_problem(op: Op) -> str | None:
+    """Why the value of a tensor ``op`` reads cannot be reproduced (then neither can what it writes)."""
+    flat, _ = tree_flatten((op.args, op.kwargs))
+    problem = next((r.handle.base.problem for r in flat if isinstance(r, Ref) and r.handle.base.problem), None)
+    return None if problem is None else f"`{op.name}` reads a tensor whose value cannot be reproduced: {problem}"
+
+
+def _stand_ins(tree: Any, on_meta: Any) -> set[int]:
+    """The storage keys of the meta copies ``to_meta`` made of ``tree``'s real tensors."""
+    return {
+        storage_key(m)
+        for t, m in zip(tree_flatten(tree)[0], tree_flatten(on_meta)[0], strict=True)
+        if isinstance(t, torch.Tensor) and not t.is_meta
+    }
