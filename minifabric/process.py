@@ -290,6 +290,19 @@ _once_lock = threading.Lock()
 _once: set[str] = set()  # the names once() has seen
 
 
+_facts_lock = threading.Lock()
+_facts: dict[Any, Any] = {}  # key -> what fact() computed for it
+
+
+def fact(key: Any, compute: Callable[[], Any]) -> Any:
+    """``compute()`` for ``key``, computed at the first call in this process and remembered after: for
+    what cannot change while the process runs (how this torch's kernels behave on a device)."""
+    with _facts_lock:
+        if key not in _facts:
+            _facts[key] = compute()
+        return _facts[key]
+
+
 def once(name: str) -> bool:
     """True at the first call with ``name`` in this process, False after (thread-safe): a warning shown once."""
     with _once_lock:

@@ -22,17 +22,13 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from minifabric import process
 from minifabric._torch.init import storage_key
 
 ENGINE_CALLS = 4  # offset steps per round (ATen's curand4_engine_calls)
 BLOCK = 256  # threads per block of those kernels
 #: an ATen op that fills a tensor, and its arguments after that tensor
 Fill = tuple[Any, tuple, dict]
-
-_EXACT: dict[
-    tuple[torch.device, Any, torch.dtype], bool
-] = {}  # the self-test's answers, per device, op, dtype
-
 
 def _dense_ops() -> tuple[Any, ...]:
     return torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default
@@ -133,22 +129,23 @@ def check_replay(
 
 def replay_is_exact(device: torch.device, func: Any, dtype: torch.dtype) -> bool:
     """Whether a range of ``func`` (``normal_`` or ``uniform_``) in ``dtype`` on ``device`` draws what the
-    dense fill draws there: :func:`check_replay` at the first use, on a generator of its own (the
-    default one is not moved). Warns once where it does not hold."""
-    key = (device, func, dtype)
-    if key not in _EXACT:
-        gen = torch.Generator(device=device)
-        gen.manual_seed(20261128)
-        size = round_size(device, dtype)
-        _EXACT[key] = check_replay(lambda t: func(t, generator=gen), gen, size, dtype, device)
-        if not _EXACT[key]:
-            warnings.warn(
-                f"minifabric: drawing a rank's rows alone does not give the dense draw of `{func}` in "
-                f"{dtype} on {device} (this torch's kernels differ from the Philox round arithmetic); "
-                "meta init draws whole tensors there instead (exact, slower).",
-                stacklevel=2,
-            )
-    return _EXACT[key]
+    dense fill draws there: :func:`check_replay` at the first use in the process, on a generator of
+    its own (the default one is not moved). Warns once where it does not hold."""
+    return process.fact(("philox-range-replay", device, func, dtype), lambda: _self_test(device, func, dtype))
+
+
+def _self_test(device: torch.device, func: Any, dtype: torch.dtype) -> bool:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(20261128)
+    exact = check_replay(lambda t: func(t, generator=gen), gen, round_size(device, dtype), dtype, device)
+    if not exact:
+        warnings.warn(
+            f"minifabric: drawing a rank's rows alone does not give the dense draw of `{func}` in "
+            f"{dtype} on {device} (this torch's kernels differ from the Philox round arithmetic); "
+            "meta init draws whole tensors there instead (exact, slower).",
+            stacklevel=4,
+        )
+    return exact
 
 
 def draw_part(

@@ -84,17 +84,17 @@ def meta_init_context(
     def on_parameter(module: nn.Module, name: str, param: nn.Parameter) -> nn.Parameter:
         with recorder.paused_recording():
             recorder.check_parameter(module, name, param)
-            if recorder.lookup(param) is None and not param.is_meta:
+            if recorder.tracked.lookup(param) is None and not param.is_meta:
                 # Created for real (torch.ones, torch.randn, ...): keep that value, hold no storage.
                 meta = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
-                recorder.track(meta, Base(param.shape, param.dtype, "value", value=param.detach()))
+                recorder.tracked.track(meta, Base(param.shape, param.dtype, "value", value=param.detach()))
                 param = meta
-            _remember(recorder.recording, module, name, recorder.lookup(param))
+            _remember(recorder.recording, module, name, recorder.tracked.lookup(param))
         return param
 
     def on_buffer(module: nn.Module, name: str, buffer: torch.Tensor) -> torch.Tensor:
         with recorder.paused_recording():
-            _remember(recorder.recording, module, name, recorder.lookup(buffer))
+            _remember(recorder.recording, module, name, recorder.tracked.lookup(buffer))
         return buffer
 
     token = _RECORDER.set(recorder)
@@ -102,7 +102,7 @@ def meta_init_context(
         with module_registration_hooks(on_parameter, on_buffer), torch.device(device), recorder:
             with noting_constructions(device) if verify else nullcontext():
                 yield
-        recorder.settle()
+        recorder.tracked.settle()
     finally:
         recorder.draws.release()
         _RECORDER.reset(token)

@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 from minifabric import process
 from minifabric._torch import seeded_op_probe, storage_key, torch_init_call, tree_flatten, tree_map
-from minifabric.init.attach import Recording, handle_of
+from minifabric.init.attach import Recording
 from minifabric.init.calls import (
     DATA,
     DATA_SET,
@@ -56,8 +56,9 @@ from minifabric.init.calls import (
 )
 from minifabric.init.draws import Draws
 from minifabric.init.generators import CPU, same_device
-from minifabric.init.recipe import TARGET, Base, Handle, Op, Real, Ref
+from minifabric.init.recipe import TARGET, Base, Handle, Op, Real, Ref, is_dtensor
 from minifabric.init.replay import resolver
+from minifabric.init.tracked import Tracked
 
 
 class Unrecordable(ValueError):
@@ -84,13 +85,7 @@ class Recorder(TorchFunctionMode):
         self.device = torch.device(device)
         self.draws = Draws(self.device, keep, self.device if keep_on is None else torch.device(keep_on))
         self.recording = Recording()  # what it records; held by the models built, not by the recorder
-        self._alive: list[torch.Tensor] = []  # tracked meta tensors: their storages are never reused
-        self._by_storage: dict[int, list[tuple[torch.Tensor, Handle]]] = {}
-        # id of a tracked tensor (kept alive by `_alive`) -> its memory layout when tracked, and
-        # layout -> handle: `Tensor.set_` and `torch.utils.swap_tensors` replace a tensor's data
-        # without reaching this mode, which `lookup` notices by the layout.
-        self._layouts: dict[int, tuple] = {}
-        self._by_layout: dict[tuple, Handle] = {}
+        self.tracked = Tracked(self.recording, self.device)
         self.paused = 0
 
     @contextmanager
@@ -102,66 +97,6 @@ class Recorder(TorchFunctionMode):
         finally:
             self.paused -= 1
 
-    # ---- tracking ------------------------------------------------------------------------------
-
-    def track(self, t: torch.Tensor, handle: Handle | Base, device: torch.device | None = None) -> Handle:
-        """Remember ``t`` as a view (or the whole) of a recorded base (a new one: eager construction has
-        it on ``device``; by default where its real value is, else on the build device)."""
-        if isinstance(handle, Base):
-            handle.device = device or (handle.value.device if handle.value is not None else self.device)
-            if handle.stride is None:  # random init fills memory in stride order: part of the record
-                handle.stride = tuple(t.stride())
-            handle = Handle(handle)
-        self.recording.bind(t, handle)
-        self._alive.append(t)
-        self._by_storage.setdefault(storage_key(t), []).append((t, handle))
-        if t.is_meta:
-            self._layouts[id(t)] = _layout(t)
-            self._by_layout[_layout(t)] = handle
-        return handle
-
-    def lookup(self, t: Any) -> Handle | None:
-        """The handle of ``t``: its own, or that of a tracked tensor viewing the same memory the same way."""
-        handle = handle_of(t)
-        if handle is not None and t.is_meta and self._layouts.get(id(t), _layout(t)) != _layout(t):
-            return self._data_replaced(t)
-        if handle is not None or not isinstance(t, torch.Tensor) or not t.is_meta:
-            return handle
-        for known, known_handle in self._by_storage.get(storage_key(t), ()):
-            if (known.shape, known.stride(), known.storage_offset()) == (
-                t.shape,
-                t.stride(),
-                t.storage_offset(),
-            ):
-                self.recording.bind(t, known_handle)
-                self._alive.append(t)
-                self._layouts[id(t)] = _layout(t)
-                return known_handle
-        return None
-
-    def _data_replaced(self, t: torch.Tensor) -> Handle:
-        """``t``'s data was replaced unseen (``Tensor.set_``, ``torch.utils.swap_tensors``): follow it.
-
-        Its new data is that of a tracked tensor (``original.set_(new)`` in
-        ``register_parametrization``, a swap of two tracked tensors): ``t`` now shares that record,
-        as it shares that memory. Otherwise its value is unknown: marked, and refused at ``setup``.
-        """
-        handle = self._by_layout.get(_layout(t))
-        if handle is None:
-            base = Base(t.shape, t.dtype, "computed")
-            base.problem = (
-                "had its data replaced by a call that torch does not let minifabric record"
-                " (`Tensor.set_` or `torch.utils.swap_tensors` with a tensor of unknown value)"
-            )
-            handle = Handle(base)
-        return self.track(t, handle)
-
-    def settle(self) -> None:
-        """At the end of the context: bring every tracked tensor's record up to date (see ``lookup``)."""
-        for t in self._alive:
-            if t.is_meta:
-                self.lookup(t)
-
     # ---- the mode ------------------------------------------------------------------------------
 
     def __torch_function__(
@@ -171,20 +106,20 @@ class Recorder(TorchFunctionMode):
         if self.paused:
             return func(*args, **kwargs)
         if is_accessor(func, IS_META, "__get__"):
-            if self.lookup(args[0]) is not None:
+            if self.tracked.lookup(args[0]) is not None:
                 self._record_torch_init(args[0])
             return func(*args, **kwargs)
         if func in EMPTY_FACTORIES:
             return self._empty(func, args, kwargs)
         flat, _ = tree_flatten((args, kwargs))
-        tracked = [(t, h) for t in flat if (h := self.lookup(t)) is not None]
+        tracked = [(t, h) for t in flat if (h := self.tracked.lookup(t)) is not None]
         if not tracked:
             result = func(*args, **kwargs)
             if (
                 isinstance(result, torch.Tensor)
                 and result.is_meta
                 and not any(isinstance(t, torch.Tensor) and t.is_meta for t in flat)
-                and self.lookup(result) is None
+                and self.tracked.lookup(result) is None
             ):
                 return self._fresh(func, args, kwargs, result)
             return result
@@ -199,7 +134,7 @@ class Recorder(TorchFunctionMode):
                 args = ()
         name = call_name(func)
         out = kwargs.get("out")
-        if is_inplace(name) or (isinstance(out, torch.Tensor) and self.lookup(out) is not None):
+        if is_inplace(name) or (isinstance(out, torch.Tensor) and self.tracked.lookup(out) is not None):
             if func in METADATA:
                 return func(*args, **kwargs)
             target = out if isinstance(out, torch.Tensor) else args[0] if args else kwargs.get("tensor")
@@ -217,7 +152,7 @@ class Recorder(TorchFunctionMode):
             return func(*args, **{**kwargs, "device": device})  # an integer buffer (indices): real, as in eager
         meta = torch.empty_strided(result.shape, result.stride(), dtype=result.dtype, device="meta")
         del result
-        self.track(meta, Base(meta.shape, meta.dtype, "empty", stride=meta.stride()))
+        self.tracked.track(meta, Base(meta.shape, meta.dtype, "empty", stride=meta.stride()))
         return meta
 
     def _creates_on(self, func: Callable, args: tuple, kwargs: dict) -> torch.device:
@@ -228,14 +163,14 @@ class Recorder(TorchFunctionMode):
             return torch.device(kwargs["device"])
         if func in LIKE_FACTORIES:
             source = args[0] if args else kwargs["input"]
-            handle = self.lookup(source)
+            handle = self.tracked.lookup(source)
             return handle.base.device if handle is not None else source.device
         return torch.get_default_device()
 
     def _ref(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
-        handle = self.lookup(value)
+        handle = self.tracked.lookup(value)
         if handle is not None:
             return Ref(handle, process.next_number())
         if value.is_meta:
@@ -253,7 +188,7 @@ class Recorder(TorchFunctionMode):
     def _inplace(
         self, func: Callable, name: str, target: Any, args: tuple, kwargs: dict, on_meta: bool = True
     ) -> Any:
-        handle = self.lookup(target)
+        handle = self.tracked.lookup(target)
         if handle is None:  # writes a real tensor using a tracked one's value: run it for real
             resolve = resolver()
             real = tree_map(lambda v: resolve(self._ref(v)) if v is not target else v, (args, kwargs))
@@ -268,6 +203,7 @@ class Recorder(TorchFunctionMode):
             base.problem = base.problem or f"`{name}` {e}"
             return target
         op.target = handle
+        base.problem = base.problem or _read_problem(op)
         seeded, calls = True, []  # unless the probe can tell: a scratch run is exact either way, only slower
         if on_meta and type(target) in (torch.Tensor, nn.Parameter):
             try:
@@ -281,6 +217,12 @@ class Recorder(TorchFunctionMode):
         base.kept = None  # a value kept from an earlier op is stale now
         if seeded:
             self.draws.advance(op, calls, target)
+        if op.draws and is_dtensor(target):  # sharded in the block (`wrap`): DTensor's random rules, per part
+            base.problem = base.problem or (
+                f"`{name}` draws random numbers into it after `wrap` sharded it (eager construction draws"
+                " each rank's part of the DTensor by DTensor's own random rules, which `setup` does not"
+                " reproduce); initialize it before `wrap(...)`"
+            )
         base.ops.append(op)
         return None if name == "__setitem__" else target
 
@@ -291,25 +233,26 @@ class Recorder(TorchFunctionMode):
             kwargs = {**kwargs, "device": self.device}
         base.creator = Op(func, args, kwargs, process.next_number(), call_name(func))
         self.draws.advance(base.creator)
-        self.track(result, base)
+        self.tracked.track(result, base)
         return result
 
     def _set_data(self, target: torch.Tensor, value: torch.Tensor) -> None:
-        handle = self.lookup(target)
-        source = self.lookup(value)
+        handle = self.tracked.lookup(target)
+        source = self.tracked.lookup(value)
         if handle is None:
             return DATA_SET(target, value)
         DATA_SET(target, value if value.is_meta else value.to("meta"))
         if source is not None and source.base is handle.base and not source.chain:
-            self._layouts[id(target)] = _layout(target)
+            self.tracked.relaid(target)
             return None
         base = Base(value.shape, value.dtype, "computed")
         try:
             base.creator = self._op(_identity, "`.data =`", (value,), {})
+            base.problem = _read_problem(base.creator)
         except Unrecordable as e:
             base.problem = f"`.data =` {e}"
         # eager construction leaves the tensor where the data put in is
-        self.track(target, base, source.base.device if source is not None else value.device)
+        self.tracked.track(target, base, source.base.device if source is not None else value.device)
         return None
 
     def _numpy(self, t: torch.Tensor, kwargs: dict) -> Any:
@@ -323,34 +266,41 @@ class Recorder(TorchFunctionMode):
         return array
 
     def _derived(self, func: Callable, name: str, args: tuple, kwargs: dict, tracked: list) -> Any:
+        on_meta = to_meta((args, kwargs))
         try:
             with seeded_op_probe() as probe:
-                result = func(*to_meta(args), **to_meta(kwargs))
+                result = func(*on_meta[0], **on_meta[1])
         except (NotImplementedError, RuntimeError):
             # No meta kernel (_sample_dirichlet), a shape or a Python value that depends on the
             # values (a boolean mask, `if w.sum() > 0`): run it once on the real values.
             return self._run_for_real(func, name, args, kwargs)
-        for written in probe.written():  # a write that is not an in-place method: `torch._foreach_mul_`
-            for _, handle in self._by_storage.get(storage_key(written), ()):
+        written = {storage_key(t) for t in probe.written()}
+        for key in written:  # a write that is not an in-place method: `torch._foreach_mul_`
+            for _, handle in self.tracked.by_storage.get(key, ()):
                 handle.base.problem = handle.base.problem or f"`{name}` writes into it unrecorded"
+        if written & _stand_ins((args, kwargs), on_meta):  # into a real tensor (`out=`): made, as in eager
+            resolve = resolver()
+            real = tree_map(lambda v: resolve(self._ref(v)) if self.tracked.lookup(v) is not None else v, (args, kwargs))
+            return func(*real[0], **real[1])
         outputs = result if isinstance(result, (tuple, list)) else (result,)
         for index, out in enumerate(outputs):
-            if not isinstance(out, torch.Tensor) or not out.is_meta or self.lookup(out) is not None:
+            if not isinstance(out, torch.Tensor) or not out.is_meta or self.tracked.lookup(out) is not None:
                 continue
             which = None if out is result else index
             source = next(((t, h) for t, h in tracked if storage_key(t) == storage_key(out)), None)
             if source is not None:  # a view: writes through it reach the base
                 step = (func, *self._view_args(args, kwargs, source[0]), which)
-                self.track(out, Handle(source[1].base, (*source[1].chain, step)))
+                self.tracked.track(out, Handle(source[1].base, (*source[1].chain, step)))
                 continue
             base = Base(out.shape, out.dtype, "computed")
             try:
                 base.creator = self._op(func, name, args, kwargs, index=which)
+                base.problem = _read_problem(base.creator)
             except Unrecordable as e:
                 base.problem = f"`{name}` {e}"
             if base.creator is not None and probe.seeded:
                 self.draws.advance(base.creator)
-            self.track(out, base)
+            self.tracked.track(out, base)
         return result
 
     def _run_for_real(self, func: Callable, name: str, args: tuple, kwargs: dict) -> Any:
@@ -371,10 +321,11 @@ class Recorder(TorchFunctionMode):
             base = Base(out.shape, out.dtype, "computed")
             base.creator = Op(op.func, op.args, op.kwargs, op.seq, name, None, index if many else None)
             base.creator.rng, base.creator.device_rng = op.rng, op.device_rng
+            base.problem = _read_problem(op)
             base.creator.generators, base.creator.generator_devices = op.generators, op.generator_devices
             # where eager construction has it (``w.cpu()`` in a GPU block: the CPU), unless the call drew
             # from the build device's generator (then replay needs that device to restore it)
-            self.track(meta, base, device=out.device if op.device_rng is None else None)
+            self.tracked.track(meta, base, device=out.device if op.device_rng is None else None)
             outputs.append(meta)
         return type(result)(outputs) if many else outputs[0]
 
@@ -411,9 +362,21 @@ class Recorder(TorchFunctionMode):
             )
 
 
-def _layout(t: torch.Tensor) -> tuple:
-    return (storage_key(t), t.shape, t.stride(), t.storage_offset())
-
-
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone()
+
+
+def _read_problem(op: Op) -> str | None:
+    """Why the value of a tensor ``op`` reads cannot be reproduced (then neither can what it writes)."""
+    flat, _ = tree_flatten((op.args, op.kwargs))
+    problem = next((r.handle.base.problem for r in flat if isinstance(r, Ref) and r.handle.base.problem), None)
+    return None if problem is None else f"`{op.name}` reads a tensor whose value cannot be reproduced: {problem}"
+
+
+def _stand_ins(tree: Any, on_meta: Any) -> set[int]:
+    """The storage keys of the meta copies ``to_meta`` made of ``tree``'s real tensors."""
+    return {
+        storage_key(m)
+        for t, m in zip(tree_flatten(tree)[0], tree_flatten(on_meta)[0], strict=True)
+        if isinstance(t, torch.Tensor) and not t.is_meta
+    }

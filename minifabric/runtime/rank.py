@@ -45,6 +45,8 @@ from minifabric.runtime.rendezvous import store_host
 
 #: environment variable: the collective timeout in seconds, where the strategy was not given one
 TIMEOUT_VAR = "MINIFABRIC_TIMEOUT"
+#: a process group holds its timeout in whole milliseconds (torch drops the rest): within one, the same
+_GROUP_RESOLUTION = timedelta(milliseconds=1)
 
 
 def collective_timeout(timeout: timedelta, explicit: bool) -> timedelta:
@@ -72,7 +74,7 @@ def check_adopted_timeout(timeout: timedelta, explicit: bool) -> None:
         return
     wanted = collective_timeout(timeout, explicit)
     adopted = group_timeout()
-    if adopted is not None and adopted == wanted:
+    if adopted is not None and abs(adopted - wanted) < _GROUP_RESOLUTION:
         return
     asked = f"the strategy was given timeout={wanted}" if explicit else f"{TIMEOUT_VAR} asks for timeout={wanted}"
     held = "a timeout this torch does not show" if adopted is None else f"timeout={adopted}"

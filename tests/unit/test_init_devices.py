@@ -31,9 +31,9 @@ def test_empty_like_and_new_empty_follow_their_input_as_in_eager_construction() 
         built_here = torch.empty(3)
         from_built = built_here.new_empty(5)
     for t in (like, new, explicit):  # eager: CPU tensors, drawing from the CPU's generator
-        assert t.device.type == "cpu" and recorder.lookup(t) is None
+        assert t.device.type == "cpu" and recorder.tracked.lookup(t) is None
     for t in (built_here, from_built):  # eager: on the build device; here recorded for it
-        handle = recorder.lookup(t)
+        handle = recorder.tracked.lookup(t)
         assert t.is_meta and handle is not None and handle.base.device == ACCELERATOR
 
 

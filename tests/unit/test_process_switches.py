@@ -22,6 +22,7 @@ BOTTOM_LAYER = {
     "minifabric/_torch/compiled.py",
     "minifabric/_torch/distributed.py",
     "minifabric/_torch/init.py",
+    "minifabric/_torch/philox.py",
     "minifabric/_torch/serialization.py",
     "minifabric/_torch/switches.py",
     "minifabric/_torch/versions.py",
