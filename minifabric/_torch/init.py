@@ -142,11 +142,6 @@ class _SeededOpProbe:
         return [t for call in self.calls for t in written_tensors(*call)]
 
 
-def _writes(func: Any) -> bool:
-    """Whether an ATen op writes into one of its arguments (its schema marks it: in-place, ``out=``)."""
-    return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
-
-
 def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors an ATen op called with ``args`` and ``kwargs`` writes into, read from its schema."""
     out = []
@@ -177,7 +172,7 @@ def _probe_mode_class() -> Any:
                 seeded = torch.Tag.nondeterministic_seeded in func.tags
                 if seeded:
                     self.seen.append(str(func))
-                if seeded or _writes(func):
+                if seeded or written_tensors(func, args, kwargs or {}):
                     self.calls.append((func, tuple(args), dict(kwargs or {})))
                 return func(*args, **(kwargs or {}))
 

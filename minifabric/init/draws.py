@@ -79,7 +79,7 @@ class Draws:
         if part is None:
             return False
         op.rng, op.device_rng = advanced(before, self.device)
-        base.kept = (self.keep, part.view(hi - lo, *base.shape[1:]).to(self.keep_on, copy=True))
+        self._hold(base, part.view(hi - lo, *base.shape[1:]))
         return True
 
     def _scratch(
@@ -111,7 +111,11 @@ class Draws:
         if self.keep is None or base.origin != "empty" or value.dim() == 0:
             return
         lo, hi = rows_of(value.shape[0], *self.keep)
-        base.kept = (self.keep, value[lo:hi].to(self.keep_on, copy=True))
+        self._hold(base, value[lo:hi])
+
+    def _hold(self, base: Base, part: torch.Tensor) -> None:
+        """Keep a copy of ``part`` (this rank's rows of ``base``'s first value) where ``setup`` wants it."""
+        base.kept = (self.keep, part.to(self.keep_on, copy=True))
 
 
 def rows_of(rows: int, parts: int, index: int) -> tuple[int, int]:

@@ -190,9 +190,7 @@ class Recorder(TorchFunctionMode):
     ) -> Any:
         handle = self.tracked.lookup(target)
         if handle is None:  # writes a real tensor using a tracked one's value: run it for real
-            resolve = resolver()
-            real = tree_map(lambda v: resolve(self._ref(v)) if v is not target else v, (args, kwargs))
-            return func(*real[0], **real[1])
+            return self._on_values(func, args, kwargs)
         base = handle.base
         if func in RESHAPES:
             base.problem = base.problem or f"`{name}` changes the tensor's shape or storage"
@@ -278,10 +276,8 @@ class Recorder(TorchFunctionMode):
         for key in written:  # a write that is not an in-place method: `torch._foreach_mul_`
             for _, handle in self.tracked.by_storage.get(key, ()):
                 handle.base.problem = handle.base.problem or f"`{name}` writes into it unrecorded"
-        if written & _stand_ins((args, kwargs), on_meta):  # into a real tensor (`out=`): made, as in eager
-            resolve = resolver()
-            real = tree_map(lambda v: resolve(self._ref(v)) if self.tracked.lookup(v) is not None else v, (args, kwargs))
-            return func(*real[0], **real[1])
+        if written and written & _stand_ins((args, kwargs), on_meta):  # into a real tensor (`out=`): as in eager
+            return self._on_values(func, args, kwargs)
         outputs = result if isinstance(result, (tuple, list)) else (result,)
         for index, out in enumerate(outputs):
             if not isinstance(out, torch.Tensor) or not out.is_meta or self.tracked.lookup(out) is not None:
@@ -302,6 +298,12 @@ class Recorder(TorchFunctionMode):
                 self.draws.advance(base.creator)
             self.tracked.track(out, base)
         return result
+
+    def _on_values(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """Run a call that writes a real tensor, with the values of the tracked tensors it reads."""
+        resolve = resolver()
+        real = tree_map(lambda v: resolve(self._ref(v)) if self.tracked.lookup(v) is not None else v, (args, kwargs))
+        return func(*real[0], **real[1])
 
     def _run_for_real(self, func: Callable, name: str, args: tuple, kwargs: dict) -> Any:
         """Run a call with no meta kernel on the real values of what it reads; track meta stand-ins.

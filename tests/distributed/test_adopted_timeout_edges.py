@@ -1,5 +1,7 @@
-"""A timeout asked for where the process group already exists is the group's own when it is the same
-value: process groups hold whole milliseconds, so a value with a fraction of one is still the same."""
+"""A timeout asked for (a strategy's ``timeout=``, ``MINIFABRIC_TIMEOUT``) where the process group already
+exists: refused on every rank when the group holds another one (it would be ignored silently); the
+group's own when it is the same value (process groups hold whole milliseconds, so a value with a
+fraction of one is still the same)."""
 
 from __future__ import annotations
 
@@ -54,3 +56,25 @@ def _other_timeout(rank: int) -> str:
 def test_a_timeout_one_millisecond_off_is_still_refused() -> None:
     refused = run_distributed(_other_timeout, 2, timeout=120)
     assert all("timeout=0:01:25.714000" in m and "init_process_group" in m for m in refused), refused
+
+
+def _asked(rank: int, given: float | None, env: str | None) -> str:
+    """The script's group, created with 77 s; then an Accelerator whose strategy is given ``given``
+    (None: no ``timeout=``) with ``MINIFABRIC_TIMEOUT=env`` (None: unset)."""
+    if env is not None:
+        os.environ["MINIFABRIC_TIMEOUT"] = env
+    dist.init_process_group("gloo", timeout=timedelta(seconds=77))
+    return _launch(DDPStrategy() if given is None else DDPStrategy(timeout=given))
+
+
+def test_a_timeout_given_to_the_strategy_that_an_adopted_process_group_does_not_have_is_refused_on_every_rank() -> None:
+    """The group keeps the timeout it was created with: the one given would be ignored silently."""
+    refused = run_distributed(_asked, 2, 30.0, None, timeout=120)
+    assert all("timeout=0:00:30" in m and "timeout=0:01:17" in m and "init_process_group" in m for m in refused), refused
+    assert run_distributed(_asked, 2, 77.0, None, timeout=120) == ["launched"] * 2  # the same: nothing ignored
+
+
+def test_a_minifabric_timeout_an_adopted_process_group_does_not_have_is_refused_on_every_rank() -> None:
+    refused = run_distributed(_asked, 2, None, "30", timeout=120)
+    assert all("MINIFABRIC_TIMEOUT asks for timeout=0:00:30" in m and "unset MINIFABRIC_TIMEOUT" in m for m in refused)
+    assert run_distributed(_asked, 2, None, "77", timeout=120) == ["launched"] * 2
